@@ -1,0 +1,179 @@
+"""The life of one rank started by :func:`overlapkit.launch` (runs in the child).
+
+This module is preloaded by the forkserver, so importing torch is paid once per
+kernel, not once per rank and launch. A rank:
+
+1. dies with its parent (the forkserver, which dies with the kernel), so an
+   abandoned rank never outlives the notebook;
+2. sends its stdout and stderr (file descriptors 1 and 2, so C++ and CUDA
+   messages too) to its own log file, which the caller prints grouped per rank;
+3. arms ``faulthandler`` on SIGUSR1, so a caller whose ``timeout`` passed can
+   ask a hung rank *where* it hangs before killing it;
+4. joins the default process group through a FileStore (no TCP listener);
+5. runs the function and sends back ``("ok", value)`` or ``("error", ...)``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import io
+import os
+import pickle
+import signal
+import sys
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+#: faulthandler marks each dump with this header; the caller looks for it.
+DUMP_SIGNAL = signal.SIGUSR1
+
+
+@dataclass
+class RankSpec:
+    """Everything a rank needs to start; picklable with the standard pickle."""
+
+    payload: bytes  # cloudpickle of (fn, args, kwargs)
+    world_size: int
+    backend: str
+    store_path: str
+    log_dir: str
+    threads: int
+    timeout_s: float
+    env: dict = field(default_factory=dict)
+
+
+def log_path(log_dir: str, rank: int) -> str:
+    return os.path.join(log_dir, f"rank{rank}.log")
+
+
+def _die_with_parent() -> None:
+    # PR_SET_PDEATHSIG: the kernel sends SIGKILL when our parent dies. Linux only;
+    # elsewhere the caller's cleanup is the only guard.
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _capture_output(path: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    # One line-buffered text stream per descriptor: print() lands in order with
+    # what C++ writes to the same file.
+    sys.stdout = io.TextIOWrapper(
+        open(1, "wb", closefd=False), encoding="utf-8", errors="replace", line_buffering=True
+    )
+    sys.stderr = io.TextIOWrapper(
+        open(2, "wb", closefd=False), encoding="utf-8", errors="replace", line_buffering=True
+    )
+
+
+def _flush_all() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    try:  # C stdio buffers (printf from extensions)
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
+
+
+class _ResultPickler(cloudpickle.Pickler):
+    """Pickles return values; CUDA tensors travel as CPU tensors.
+
+    The caller (a notebook kernel) must not initialise CUDA just to receive a
+    result, and the rank's device index may not even exist there.
+    """
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and obj.device.type not in ("cpu", "meta"):
+            return obj.detach().cpu().__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+        return super().reducer_override(obj)
+
+
+def dumps_result(value) -> bytes:
+    buf = io.BytesIO()
+    _ResultPickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(value)
+    return buf.getvalue()
+
+
+def _user_frames(exc: BaseException) -> list[tuple[str, int, str, str]]:
+    """The traceback frames below this module, as plain tuples the caller can format."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    here = os.path.abspath(__file__)
+    kept = [f for f in frames if os.path.abspath(f.filename) != here]
+    return [(f.filename, f.lineno or 0, f.name, f.line or "") for f in kept]
+
+
+def error_message(exc: BaseException) -> tuple:
+    """("error", pickled exception or None, type name, str, frames, chained text)."""
+    try:
+        exc_bytes = cloudpickle.dumps(exc)
+        pickle.loads(exc_bytes)  # some exceptions pickle but cannot be rebuilt
+    except Exception:
+        exc_bytes = None
+    chained = ""
+    if exc.__cause__ is not None or (exc.__context__ is not None and not exc.__suppress_context__):
+        inner = exc.__cause__ or exc.__context__
+        chained = "".join(traceback.format_exception(type(inner), inner, inner.__traceback__))
+    return ("error", exc_bytes, type(exc).__qualname__, str(exc), _user_frames(exc), chained)
+
+
+def main(spec: RankSpec, rank: int, conn) -> None:
+    """Entry point of a rank process (target of the forkserver Process)."""
+    _die_with_parent()
+    _capture_output(log_path(spec.log_dir, rank))
+    faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    # The forkserver was started with the caller's environment of that moment;
+    # apply the caller's environment of *this* launch (e.g. NCCL_DEBUG set later).
+    os.environ.update(spec.env)
+    os.environ.update(
+        {
+            "GLOO_SOCKET_IFNAME": "lo",  # gloo and NCCL listen on loopback only
+            "NCCL_SOCKET_IFNAME": "lo",
+            "LOCAL_RANK": str(rank),
+            "OVERLAPKIT_RANK": str(rank),
+            "OVERLAPKIT_WORLD_SIZE": str(spec.world_size),
+        }
+    )
+    torch.set_num_threads(spec.threads)
+    try:
+        if spec.backend == "nccl":
+            torch.cuda.set_device(rank)
+        fn, args, kwargs = cloudpickle.loads(spec.payload)
+        store = dist.FileStore(spec.store_path, spec.world_size)
+        dist.init_process_group(
+            spec.backend,
+            store=store,
+            rank=rank,
+            world_size=spec.world_size,
+            # the caller enforces the user's timeout; this only bounds stray waits
+            timeout=timedelta(seconds=max(60.0, spec.timeout_s + 30.0)),
+        )
+        value = fn(*args, **kwargs)
+        message = ("ok", dumps_result(value))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
+        message = error_message(exc)
+    data = pickle.dumps(message)  # bytes and strings only: cannot fail
+    _flush_all()
+    conn.send_bytes(data)
+    conn.close()
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # the group may be broken by a peer's failure
+            pass
+    _flush_all()

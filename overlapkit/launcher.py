@@ -1,0 +1,557 @@
+"""Run a function on N fresh ranks, from a notebook cell or a script.
+
+    ok.launch(fn, *args, world_size=4)        -> [fn's value on rank 0, ..., rank 3]
+
+How, and why this way:
+
+* **Fast.** A forkserver, started once per kernel, imports torch once; each
+  launch forks ranks from it (about 0.1 s for 4 ranks instead of ~12 s for
+  ``torch.multiprocessing.spawn``, where every rank imports torch again).
+* **Notebook functions.** ``fn`` and its arguments travel by value with
+  cloudpickle, so a function defined in a cell (or in a script's ``__main__``)
+  runs on the ranks. For the same reason the ranks never re-import the
+  caller's ``__main__``: a script needs no ``if __name__ == "__main__"`` guard.
+* **Loopback only.** Ranks meet through a FileStore in a private temporary
+  folder, and gloo/NCCL are told to use the loopback interface, so nothing
+  listens on a public address.
+* **Visible output.** Each rank writes to its own log; the caller prints the
+  logs prefixed by rank, grouped per rank in rank order (deterministic).
+* **Nothing hangs, nothing stays.** The caller waits at most ``timeout``
+  seconds, then asks the ranks still running where they are (faulthandler),
+  kills them and raises :class:`LaunchTimeoutError` naming them. An exception on
+  a rank is re-raised here, with its type, the rank and the remote traceback.
+  A kernel interrupt kills all ranks too. Ranks die with the kernel.
+* **Scales out.** Under ``torchrun`` (RANK and WORLD_SIZE set), ``launch`` runs
+  ``fn`` in place on this rank and all-gathers the values, so the same code
+  runs on a cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import linecache
+import multiprocessing as mp
+import multiprocessing.connection
+import multiprocessing.spawn
+import os
+import pickle
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import types
+import warnings
+
+import cloudpickle
+import torch.distributed as dist
+
+from . import _rank, runtime
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class LaunchError(RuntimeError):
+    """A launch failed for a reason that is not the user's exception."""
+
+
+class RankFailedError(LaunchError):
+    """A rank died (crash, signal, os._exit) or raised an exception that cannot be rebuilt here."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+class LaunchTimeoutError(LaunchError, TimeoutError):
+    """``timeout`` passed while some ranks were still running; they were killed."""
+
+    def __init__(self, message: str, ranks: list[int]):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class RemoteTraceback(Exception):
+    """Carries the traceback of the rank where an exception was raised (shown as its cause)."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+# --------------------------------------------------------------------------- forkserver
+
+_context_lock = threading.Lock()
+_context = None
+
+
+def _forkserver():
+    """The multiprocessing context whose server has torch (and this kit) preloaded."""
+    global _context
+    with _context_lock:
+        if _context is None:
+            ctx = mp.get_context("forkserver")
+            ctx.set_forkserver_preload(["overlapkit._rank"])
+            _context = ctx
+        return _context
+
+
+def shutdown() -> None:
+    """Stop the forkserver (the next launch starts a new one: a *cold* launch)."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    stop = getattr(server, "_stop", None)
+    if stop is not None:
+        stop()
+
+
+@contextlib.contextmanager
+def _ranks_skip_main():
+    # multiprocessing re-runs the caller's __main__ in every child so that
+    # functions pickled by reference can be found. Ours travel by value, and
+    # re-running a script's top level in each rank would launch ranks again.
+    original = mp.spawn.get_preparation_data
+
+    def without_main(name):
+        data = original(name)
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+        return data
+
+    mp.spawn.get_preparation_data = without_main
+    try:
+        yield
+    finally:
+        mp.spawn.get_preparation_data = original
+
+
+_start_lock = threading.Lock()
+
+
+class _FilenamePickler(cloudpickle.Pickler):
+    """cloudpickle, but code objects keep their file name.
+
+    cloudpickle 3 renames the file of by-value code to ``<dynamic-code>``; the
+    real name (a notebook cell's) lets tracebacks and hang reports point at the
+    learner's line.
+    """
+
+    def reducer_override(self, obj):
+        if isinstance(obj, types.CodeType) and _code_reduce is not None:
+            rebuild, args = _code_reduce(obj)
+            args = tuple(obj.co_filename if a == "<dynamic-code>" else a for a in args)
+            return rebuild, args
+        return super().reducer_override(obj)
+
+
+_code_reduce = getattr(getattr(cloudpickle, "cloudpickle", None), "_code_reduce", None)
+
+
+def dumps_keeping_filenames(obj) -> bytes:
+    buf = io.BytesIO()
+    _FilenamePickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+# --------------------------------------------------------------------------- launch
+
+
+def launch(
+    fn,
+    *args,
+    world_size: int,
+    backend: str = "auto",
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+    threads: int | None = None,
+    quiet: bool = False,
+    **kwargs,
+) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks; return their values by rank.
+
+    The default process group is initialised on each rank before ``fn`` runs
+    (``backend="auto"``: NCCL when each rank can have its own CUDA device, else
+    gloo). ``timeout`` (seconds, None for none) bounds the whole launch.
+    ``threads`` sets torch's intra-op threads per rank; by default the cores
+    are shared out so that ranks do not oversubscribe them. ``quiet=True``
+    discards the ranks' output instead of printing it.
+    """
+    if not callable(fn):
+        raise TypeError(f"launch() needs a function to run on the ranks, got {type(fn).__name__}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
+    if _under_torchrun():
+        return _launch_in_place(fn, args, kwargs, world_size, backend)
+
+    backend = runtime.resolve_backend(backend, world_size)
+    if threads is None:
+        threads = max(1, runtime.usable_cores() // world_size)
+    try:
+        payload = dumps_keeping_filenames((fn, args, kwargs))
+    except Exception as exc:
+        raise LaunchError(
+            f"could not send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: "
+            f"{exc}. Arguments must be picklable (no open files, locks or live process groups)."
+        ) from exc
+
+    workdir = tempfile.mkdtemp(prefix="overlapkit-")
+    spec = _rank.RankSpec(
+        payload=payload,
+        world_size=world_size,
+        backend=backend,
+        store_path=os.path.join(workdir, "store"),
+        log_dir=workdir,
+        threads=threads,
+        timeout_s=timeout if timeout is not None else 3600.0,
+        env=dict(os.environ),
+    )
+    ranks = _Ranks(spec)
+    try:
+        ranks.start()
+        outcome = ranks.wait(timeout)
+    finally:
+        ranks.stop()
+        logs = [_read(_rank.log_path(workdir, r)) for r in range(world_size)]
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    if outcome.timed_out:
+        stacks = {r: _where_hung(logs[r]) for r in outcome.running}
+        logs = [_strip_dumps(text) for text in logs]
+    if not quiet:
+        print_rank_output(logs)
+    if outcome.timed_out:
+        raise _timeout_error(outcome.running, world_size, timeout, stacks)
+    if outcome.failure is not None:
+        raise _rebuild_failure(outcome, world_size)
+    return [cloudpickle.loads(outcome.values[r]) for r in range(world_size)]
+
+
+class _Outcome:
+    def __init__(self, world: int):
+        self.values: dict[int, bytes] = {}
+        self.errors: dict[int, tuple] = {}
+        self.running: list[int] = list(range(world))
+        self.timed_out = False
+
+    @property
+    def failure(self) -> tuple[int, tuple] | None:
+        """The failure to report: the root cause, not its echoes on the peers.
+
+        When one rank raises, its peers soon fail too, inside a collective whose
+        partner vanished ("Connection reset by peer"). Report the lowest rank
+        with an error of its own, else the lowest rank that died, else the
+        lowest failed rank: the same answer every run.
+        """
+        if not self.errors:
+            return None
+        own = [r for r, m in self.errors.items() if m[0] == "error" and not _is_echo(m)]
+        died = [r for r, m in self.errors.items() if m[0] == "died"]
+        first = min(own or died or self.errors)
+        return first, self.errors[first]
+
+
+_ECHO = re.compile(
+    r"Connection (reset|closed) by peer|Broken pipe|remote (process|worker|peer)|"
+    r"NCCL communicator was aborted|Socket Timeout|Connection refused"
+)
+
+
+def _is_echo(message: tuple) -> bool:
+    """True for a collective that failed because a *peer* rank went away."""
+    return bool(_ECHO.search(message[3]))
+
+
+class _Ranks:
+    """The rank processes of one launch, their result pipes, and their cleanup."""
+
+    #: after the first failure, how long to wait for the other ranks' own errors,
+    #: so that the lowest failing rank (not the fastest) is reported
+    FAILURE_GRACE_S = 0.3
+
+    def __init__(self, spec: _rank.RankSpec):
+        self.spec = spec
+        self.procs: list = []
+        self.conns: list = []
+        self._finished = [False] * spec.world_size
+
+    def start(self) -> None:
+        ctx = _forkserver()
+        with _start_lock, _ranks_skip_main():
+            for r in range(self.spec.world_size):
+                recv, send = ctx.Pipe(duplex=False)
+                proc = ctx.Process(
+                    target=_rank.main, args=(self.spec, r, send), name=f"overlapkit-rank{r}"
+                )
+                self.conns.append(recv)
+                proc.start()
+                send.close()  # our copy: EOF on recv must mean the rank is gone
+                self.procs.append(proc)
+
+    def wait(self, timeout: float | None) -> _Outcome:
+        out = _Outcome(self.spec.world_size)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pending = {self.conns[r]: r for r in range(len(self.procs))}
+        while pending:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if out.errors:
+                grace_end = self._first_error_at + self.FAILURE_GRACE_S
+                remaining = max(0.0, grace_end - time.monotonic())
+                if remaining == 0.0:
+                    break
+            elif remaining is not None and remaining <= 0:
+                out.timed_out = True
+                break
+            ready = mp.connection.wait(list(pending), timeout=remaining)
+            for conn in ready:
+                rank = pending.pop(conn)
+                self._receive(conn, rank, out)
+        out.running = sorted(pending.values())
+        if out.timed_out and out.running:
+            # ask for the stacks before the kill; ranks still running after a
+            # *failure* are usually waiting for the failed peer, no dump needed
+            self.dump_stacks(out.running)
+            _await_dumps(self.spec, out.running)
+        return out
+
+    def _receive(self, conn, rank: int, out: _Outcome) -> None:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            message = None
+        if message is not None and message[0] == "ok":
+            out.values[rank] = message[1]
+            self._finished[rank] = True
+            return
+        if message is None:  # the pipe closed without a message: the process died
+            proc = self.procs[rank]
+            proc.join(1.0)
+            message = ("died", proc.exitcode)
+        if not out.errors:
+            self._first_error_at = time.monotonic()
+        out.errors[rank] = message
+
+    def stop(self) -> None:
+        """Kill whatever still runs, reap every process, close every descriptor."""
+        # ranks that sent their value exit on their own within moments; the
+        # others (hung, or waiting for a failed peer) never do
+        end = time.monotonic() + 2.0
+        for r, p in enumerate(self.procs):
+            if not self._finished[r]:
+                _kill(p)
+        for p in self.procs:
+            p.join(max(0.0, end - time.monotonic()))
+        for p in self.procs:
+            if p.exitcode is None:
+                _kill(p)
+        for p in self.procs:
+            p.join(5.0)
+            with contextlib.suppress(ValueError):
+                p.close()
+        for c in self.conns:
+            c.close()
+
+    def dump_stacks(self, ranks: list[int]) -> None:
+        """Ask hung ranks to write their Python stacks to their logs (faulthandler)."""
+        for r in ranks:
+            pid = self.procs[r].pid
+            with contextlib.suppress(ProcessLookupError, TypeError):
+                os.kill(pid, _rank.DUMP_SIGNAL)
+
+
+def _kill(proc) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError, TypeError):
+        os.kill(proc.pid, signal.SIGKILL)
+
+
+def _await_dumps(spec: _rank.RankSpec, ranks: list[int], limit_s: float = 1.0) -> None:
+    end = time.monotonic() + limit_s
+    pending = set(ranks)
+    while pending and time.monotonic() < end:
+        for r in list(pending):
+            if _DUMP_HEADER.search(_read(_rank.log_path(spec.log_dir, r))):
+                pending.discard(r)
+        time.sleep(0.02)
+    time.sleep(0.05)  # let the dump finish writing its last frames
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+def print_rank_output(logs: list[str], file=None) -> None:
+    """Print each rank's output, every line prefixed by its rank, ranks in order."""
+    file = file if file is not None else sys.stdout
+    width = len(str(len(logs) - 1))
+    for r, text in enumerate(logs):
+        for line in text.splitlines():
+            print(f"[rank {r:>{width}}] {line}", file=file)
+    file.flush()
+
+
+_DUMP_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ .*\(most recent call first\):$", re.M)
+_DUMP_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<name>\S+)$')
+
+
+def _dump_blocks(text: str) -> list[tuple[int, int]]:
+    starts = [m.start() for m in _DUMP_HEADER.finditer(text)]
+    blocks = []
+    for i, s in enumerate(starts):
+        end = starts[i + 1] if i + 1 < len(starts) else len(text)
+        blocks.append((s, end))
+    return blocks
+
+
+def _strip_dumps(text: str) -> str:
+    """The rank's own output without the faulthandler dump we asked for."""
+    blocks = _dump_blocks(text)
+    return text[: blocks[0][0]] if blocks else text
+
+
+def _where_hung(text: str, depth: int = 6) -> str:
+    """The innermost frames of the rank's main thread, with source lines where we know them.
+
+    faulthandler prints only file/line/function; the caller's linecache knows
+    the source of notebook cells, so the learner sees the line that hangs.
+    """
+    rank_py = os.path.abspath(_rank.__file__)
+    for start, end in _dump_blocks(text):
+        frames = []
+        for line in text[start:end].splitlines()[1:]:
+            m = _DUMP_FRAME.match(line)
+            if m:
+                frames.append((m["file"], int(m["line"]), m["name"]))
+        if not any(os.path.abspath(f) == rank_py for f, _, _ in frames):
+            continue  # not the main thread
+        user = []
+        for f, n, name in frames:  # innermost first
+            if os.path.abspath(f) == rank_py:
+                break
+            user.append((f, n, name))
+        lines = []
+        for f, n, name in user[:depth]:
+            src = linecache.getline(f, n).strip()
+            lines.append(f'  File "{f}", line {n}, in {name}' + (f"\n    {src}" if src else ""))
+        return "\n".join(lines) if lines else "  (no Python frame: it was starting up)"
+    return "  (the rank did not answer the request for its stack)"
+
+
+def _timeout_error(running, world, timeout, stacks) -> LaunchTimeoutError:
+    names = ", ".join(map(str, running))
+    done = [r for r in range(world) if r not in running]
+    parts = [
+        f"rank{'s' if len(running) > 1 else ''} {names} of {world} still running after "
+        f"{timeout:g} s; all ranks were stopped"
+        + (f" (rank{'s' if len(done) > 1 else ''} {', '.join(map(str, done))} had finished)" if done else "")
+        + ". A rank waiting for a message nobody sends (or a collective that not every "
+        "rank calls) hangs forever."
+    ]
+    for r in running:
+        parts.append(f"rank {r} was here (innermost call first):\n{stacks[r]}")
+    return LaunchTimeoutError("\n".join(parts), running)
+
+
+def _format_frames(frames) -> str:
+    lines = ["Traceback (most recent call last):"]
+    for filename, lineno, name, line in frames:
+        # the rank had no source for notebook cells; this kernel does
+        line = line or linecache.getline(filename, lineno).strip()
+        lines.append(f'  File "{filename}", line {lineno}, in {name}')
+        if line:
+            lines.append(f"    {line}")
+    return "\n".join(lines)
+
+
+def _rebuild_failure(outcome: _Outcome, world: int) -> BaseException:
+    rank, message = outcome.failure
+    others = sorted(r for r in outcome.errors if r != rank)
+    header = f"raised on rank {rank} of {world}"
+    if others:
+        header += f"; rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed after it"
+    if message[0] != "died" and _is_echo(message) and outcome.values:
+        done = ", ".join(map(str, sorted(outcome.values)))
+        header += (
+            f"; rank(s) {done} had already returned: rank {rank} was probably waiting for a "
+            "message or a collective that they never sent"
+        )
+    if message[0] == "died":
+        code = message[1]
+        how = (
+            f"was killed by signal {signal.Signals(-code).name}"
+            if code and code < 0
+            else f"exited with code {code}"
+        )
+        return RankFailedError(f"rank {rank} of {world} {how} before returning", rank)
+    _, exc_bytes, type_name, text, frames, chained = message
+    remote = ""
+    if chained:
+        remote = chained + "\nThe above exception was the direct cause of the following one:\n\n"
+    remote += _format_frames(frames) + f"\n{type_name}: {text}"
+    exc = None
+    if exc_bytes is not None:
+        try:
+            exc = cloudpickle.loads(exc_bytes)
+        except Exception:
+            exc = None
+    if not isinstance(exc, BaseException):
+        exc = RankFailedError(f"{type_name}: {text} ({header})", rank)
+    elif hasattr(exc, "add_note"):  # Python >= 3.11
+        exc.add_note(f"({header})")
+    exc.__cause__ = RemoteTraceback(f'{header}:\n"""\n{remote}\n"""')
+    exc.rank = rank
+    return exc
+
+
+# --------------------------------------------------------------------------- torchrun
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _launch_in_place(fn, args, kwargs, world_size, backend):
+    """Under torchrun this process *is* a rank: run here, all-gather the values."""
+    world = int(os.environ["WORLD_SIZE"])
+    if world != world_size:
+        warnings.warn(
+            f"launch(world_size={world_size}) runs under torchrun with WORLD_SIZE={world}: "
+            f"using torchrun's {world} ranks",
+            stacklevel=3,
+        )
+    if not dist.is_initialized():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        chosen = "nccl" if backend in ("auto", "nccl") and runtime.cuda_devices_for(local + 1) else "gloo"
+        if chosen == "nccl":
+            import torch
+
+            torch.cuda.set_device(local)
+        dist.init_process_group(chosen)
+    value = fn(*args, **kwargs)
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+__all__ = [
+    "launch",
+    "shutdown",
+    "LaunchError",
+    "LaunchTimeoutError",
+    "RankFailedError",
+    "RemoteTraceback",
+    "print_rank_output",
+]
