@@ -10,12 +10,15 @@ from .launcher import (
     RemoteTraceback,
     launch,
 )
+from .timeline import Span, Timeline
 from .runtime import backend, device, is_main, local_rank, rank, world_size
 
 __version__ = "0.1.0"
 
 __all__ = [
     "launch",
+    "Timeline",
+    "Span",
     "LaunchError",
     "LaunchTimeoutError",
     "RankFailedError",

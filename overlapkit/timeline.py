@@ -1,0 +1,422 @@
+"""Timelines: what each rank computed and communicated, when, and how much of it overlapped.
+
+A :class:`Timeline` records *spans* (name, start, end) on *lanes* ("compute",
+"comm", ...) for a rank. Ranks return their timelines from ``ok.launch``;
+:meth:`Timeline.merge` puts them on one clock (``time.perf_counter``, which is
+CLOCK_MONOTONIC on Linux and therefore shared by all processes of a machine).
+
+Two measures of overlap, for one rank::
+
+    compute  |██████████████████|        |████████|
+    comm            |░░░░░░░░░░░░░░░░░░░░░░░░░|
+                    ^ hidden ^^^^^^ exposed ^^
+
+    overlap ratio   = (T_comp + T_comm - T_wall) / T_comm     (the lecture notes' formula)
+    hidden fraction = |comm ∩ compute| / |comm|               (exact, from the intervals)
+
+They agree when the rank is never idle; idle time (waiting for a peer)
+lowers the ratio, not the hidden fraction. Both are shown, because the gap
+between them is itself a lesson.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from . import runtime
+
+COMPUTE = "compute"
+COMM = "comm"
+_LANE_COLORS = {COMPUTE: "#4C72B0", COMM: "#DD8452"}
+_OTHER_COLORS = ["#55A868", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C", "#CCB974"]
+
+
+@dataclass(frozen=True)
+class Span:
+    name: str
+    start: float  # seconds on the perf_counter clock
+    end: float
+    lane: str = COMPUTE
+    rank: int = 0
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+# --------------------------------------------------------------------------- interval algebra
+
+
+def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Merge overlapping intervals into a sorted list of disjoint ones."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if end <= start:
+            continue
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def length(intervals: Iterable[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in union(intervals))
+
+
+def intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]):
+    """Intersection of two *disjoint sorted* interval lists (two-pointer sweep)."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def subtract(a: list[tuple[float, float]], b: list[tuple[float, float]]):
+    """Parts of disjoint sorted ``a`` not covered by disjoint sorted ``b``."""
+    out = []
+    for start, end in a:
+        cursor = start
+        for bs, be in b:
+            if be <= cursor or bs >= end:
+                continue
+            if bs > cursor:
+                out.append((cursor, bs))
+            cursor = max(cursor, be)
+        if cursor < end:
+            out.append((cursor, end))
+    return out
+
+
+# --------------------------------------------------------------------------- timeline
+
+
+class Timeline:
+    """Spans of one rank (while recording) or of many ranks (after :meth:`merge`)."""
+
+    def __init__(self, rank: int | None = None, spans: Iterable[Span] = ()):
+        self.rank = runtime.rank() if rank is None else rank
+        self.spans: list[Span] = list(spans)
+        self._cuda_pending: list = []  # (name, lane, start_event, end_event)
+        self._cuda_anchor = None  # (event, host time) pairing the two clocks
+
+    # ---------------------------------------------------------------- recording
+    @staticmethod
+    def now() -> float:
+        return time.perf_counter()
+
+    def add(self, name: str, start: float, end: float, lane: str = COMPUTE, rank=None) -> Span:
+        """Record a span measured elsewhere (times from :meth:`now`)."""
+        if end < start:
+            raise ValueError(f"span {name!r} ends ({end}) before it starts ({start})")
+        span = Span(name, start, end, lane, self.rank if rank is None else rank)
+        self.spans.append(span)
+        return span
+
+    @contextlib.contextmanager
+    def span(self, name: str, lane: str = COMPUTE):
+        """Time the body of a ``with`` block on the host clock."""
+        start = self.now()
+        try:
+            yield
+        finally:
+            self.add(name, start, self.now(), lane)
+
+    def track(self, name: str, work, lane: str = COMM):
+        """Record an async operation from now until it completes; returns a handle.
+
+        The end is taken from the work's future when the backend completes it
+        (the true completion time, seen from a communication thread); without a
+        future, from the moment ``wait()`` returns on the returned handle.
+        """
+        return _TrackedWork(self, name, lane, work)
+
+    @contextlib.contextmanager
+    def cuda_span(self, name: str, lane: str = COMPUTE, stream=None):
+        """Time the GPU work enqueued in the block on ``stream`` with CUDA events.
+
+        The host returns immediately; the span is placed on the host clock when
+        the timeline is read (this synchronises the device once).
+        """
+        import torch
+
+        if self._cuda_anchor is None:
+            torch.cuda.synchronize()
+            anchor = torch.cuda.Event(enable_timing=True)
+            anchor.record()
+            anchor.synchronize()
+            self._cuda_anchor = (anchor, self.now())
+        stream = stream or torch.cuda.current_stream()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        try:
+            yield
+        finally:
+            end.record(stream)
+            self._cuda_pending.append((name, lane, start, end))
+
+    def _resolve_cuda(self) -> None:
+        if not self._cuda_pending:
+            return
+        anchor, host = self._cuda_anchor
+        for name, lane, start, end in self._cuda_pending:
+            end.synchronize()
+            s = host + anchor.elapsed_time(start) / 1e3
+            e = host + anchor.elapsed_time(end) / 1e3
+            self.add(name, s, e, lane)
+        self._cuda_pending.clear()
+
+    def __getstate__(self):
+        self._resolve_cuda()  # events do not travel between processes
+        return {"rank": self.rank, "spans": self.spans}
+
+    def __setstate__(self, state):
+        self.__init__(state["rank"], state["spans"])
+
+    # ---------------------------------------------------------------- combining
+    @classmethod
+    def merge(cls, timelines: Iterable[Timeline]) -> Timeline:
+        """One timeline holding every rank's spans (e.g. the list ``ok.launch`` returned)."""
+        merged = cls(rank=-1)
+        for tl in timelines:
+            if not isinstance(tl, Timeline):
+                raise TypeError(f"merge() takes Timeline objects, got {type(tl).__name__}")
+            tl._resolve_cuda()
+            merged.spans.extend(tl.spans)
+        merged.spans.sort(key=lambda s: (s.rank, s.start))
+        return merged
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({s.rank for s in self._all()})
+
+    @property
+    def lanes(self) -> list[str]:
+        seen = {s.lane for s in self._all()}
+        known = [lane for lane in (COMPUTE, COMM) if lane in seen]
+        return known + sorted(seen - set(known))
+
+    def _all(self) -> list[Span]:
+        self._resolve_cuda()
+        return self.spans
+
+    def select(self, rank: int | None = None, lane: str | None = None) -> list[Span]:
+        return [
+            s
+            for s in self._all()
+            if (rank is None or s.rank == rank) and (lane is None or s.lane == lane)
+        ]
+
+    # ---------------------------------------------------------------- metrics
+    def busy(self, lane: str, rank: int | None = None) -> float:
+        """Seconds during which ``lane`` had at least one span (overlaps counted once)."""
+        return length((s.start, s.end) for s in self.select(rank, lane))
+
+    def wall(self, rank: int | None = None) -> float:
+        """From the first span's start to the last span's end."""
+        spans = self.select(rank)
+        return max(s.end for s in spans) - min(s.start for s in spans) if spans else 0.0
+
+    def _per_rank(self, metric, rank):
+        if rank is not None:
+            return metric(rank)
+        values = [metric(r) for r in self.ranks]
+        values = [v for v in values if v is not None]
+        return sum(values) / len(values) if values else None
+
+    def overlap_ratio(self, rank: int | None = None) -> float | None:
+        """(T_comp + T_comm − T_wall) / T_comm for a rank, or the mean over ranks.
+
+        None when the rank did not communicate.
+        """
+
+        def one(r):
+            comm = self.busy(COMM, r)
+            if comm == 0:
+                return None
+            return (self.busy(COMPUTE, r) + comm - self.wall(r)) / comm
+
+        return self._per_rank(one, rank)
+
+    def hidden_fraction(self, rank: int | None = None) -> float | None:
+        """Exact share of communication time during which the rank was also computing."""
+
+        def one(r):
+            comm = union((s.start, s.end) for s in self.select(r, COMM))
+            total = length(comm)
+            if total == 0:
+                return None
+            comp = union((s.start, s.end) for s in self.select(r, COMPUTE))
+            return length(intersect(comm, comp)) / total
+
+        return self._per_rank(one, rank)
+
+    def summary(self) -> list[dict]:
+        """One row per rank: T_comp, T_comm, T_wall (seconds), overlap ratio, hidden fraction."""
+        return [
+            {
+                "rank": r,
+                "T_comp": self.busy(COMPUTE, r),
+                "T_comm": self.busy(COMM, r),
+                "T_wall": self.wall(r),
+                "overlap_ratio": self.overlap_ratio(r),
+                "hidden_fraction": self.hidden_fraction(r),
+            }
+            for r in self.ranks
+        ]
+
+    def __repr__(self) -> str:
+        return f"Timeline(ranks={self.ranks}, lanes={self.lanes}, spans={len(self.spans)})"
+
+    # ---------------------------------------------------------------- pictures
+    def plot(self, ax=None, title: str | None = None, labels: bool = True, t0: float | None = None):
+        """Draw one row per (rank, lane); communication hidden under compute is hatched.
+
+        Returns the matplotlib Figure. Times are milliseconds from ``t0``
+        (default: the earliest span), so timelines drawn side by side share
+        an origin when given the same ``t0``.
+        """
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+
+        spans = self._all()
+        rows = [(r, lane) for r in self.ranks for lane in self.lanes if self.select(r, lane)]
+        if ax is None:
+            fig, ax = plt.subplots(figsize=(10, 0.45 * max(len(rows), 2) + 1.3))
+        else:
+            fig = ax.figure
+        if not spans:
+            ax.set_title(title or "empty timeline")
+            return fig
+        t0 = min(s.start for s in spans) if t0 is None else t0
+        span_ms = (max(s.end for s in spans) - t0) * 1e3 or 1.0
+        colors = dict(_LANE_COLORS)
+        for i, lane in enumerate(lane for lane in self.lanes if lane not in colors):
+            colors[lane] = _OTHER_COLORS[i % len(_OTHER_COLORS)]
+
+        for y, (r, lane) in enumerate(rows):
+            mine = self.select(r, lane)
+            bars = [((s.start - t0) * 1e3, s.duration * 1e3) for s in mine]
+            ax.broken_barh(bars, (y - 0.38, 0.76), facecolors=colors[lane], edgecolor="white", lw=0.5)
+            if lane == COMM:  # hatch the parts that were hidden under compute
+                comm = union((s.start, s.end) for s in mine)
+                comp = union((s.start, s.end) for s in self.select(r, COMPUTE))
+                hidden = [((a - t0) * 1e3, (b - a) * 1e3) for a, b in intersect(comm, comp)]
+                if hidden:
+                    ax.broken_barh(
+                        hidden, (y - 0.38, 0.76), facecolors="none", edgecolor="#333333",
+                        hatch="////", lw=0,
+                    )
+            if labels:
+                for s, (x, w) in zip(mine, bars, strict=True):
+                    if w > 0.06 * span_ms:
+                        ax.text(x + w / 2, y, s.name, ha="center", va="center", fontsize=8,
+                                color="white", clip_on=True)
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([f"rank {r} · {lane}" for r, lane in rows])
+        ax.set_ylim(len(rows) - 0.5, -0.5)
+        ax.set_xlim(0, span_ms * 1.01)
+        ax.set_xlabel("time (ms)")
+        ax.grid(axis="x", alpha=0.3)
+        ratio, hidden = self.overlap_ratio(), self.hidden_fraction()
+        metrics = (
+            f"overlap ratio {ratio:.2f} · comm hidden {hidden:.0%}"
+            if ratio is not None
+            else "no communication recorded"
+        )
+        ax.set_title(f"{title} — {metrics}" if title else metrics, fontsize=10)
+        handles = [Patch(color=colors[lane], label=lane) for lane in self.lanes]
+        if any(lane == COMM for _, lane in rows):
+            handles.append(Patch(facecolor="none", edgecolor="#333333", hatch="////",
+                                 label="comm hidden under compute"))
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(rows) > 2 else -0.45),
+                  ncol=len(handles), frameon=False, fontsize=8)
+        fig.tight_layout()
+        return fig
+
+    def save(self, path: str, title: str | None = None, dpi: int = 110) -> str:
+        """Plot to an image file and close the figure; returns the path."""
+        import matplotlib.pyplot as plt
+
+        fig = self.plot(title=title)
+        fig.savefig(path, dpi=dpi, bbox_inches="tight")
+        plt.close(fig)
+        return path
+
+    # ---------------------------------------------------------------- traces
+    def to_chrome_trace(self, path: str | None = None) -> dict:
+        """The timeline as Chrome trace-event JSON (open in Perfetto or chrome://tracing).
+
+        One process per rank, one thread per lane, times in microseconds.
+        Written to ``path`` when given.
+        """
+        spans = self._all()
+        t0 = min((s.start for s in spans), default=0.0)
+        lanes = {lane: i for i, lane in enumerate(self.lanes)}
+        events = []
+        for r in self.ranks:
+            events.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}})
+            events.append({"name": "process_sort_index", "ph": "M", "pid": r, "args": {"sort_index": r}})
+            for lane, tid in lanes.items():
+                events.append(
+                    {"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": lane}}
+                )
+        for s in spans:
+            events.append(
+                {
+                    "name": s.name,
+                    "cat": s.lane,
+                    "ph": "X",
+                    "ts": round((s.start - t0) * 1e6, 3),
+                    "dur": round(s.duration * 1e6, 3),
+                    "pid": s.rank,
+                    "tid": lanes[s.lane],
+                }
+            )
+        trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+        if path is not None:
+            with open(path, "w") as f:
+                json.dump(trace, f)
+        return trace
+
+
+class _TrackedWork:
+    """Handle returned by :meth:`Timeline.track`: wait() like the work it wraps."""
+
+    def __init__(self, timeline: Timeline, name: str, lane: str, work):
+        self._work = work
+        self._timeline = timeline
+        self._name, self._lane = name, lane
+        self._start = timeline.now()
+        self._recorded = False
+        self._lock = threading.Lock()  # the future's callback runs on a backend thread
+        future = None
+        with contextlib.suppress(Exception):  # not every backend/op has a future
+            future = work.get_future()
+        if future is not None:
+            future.add_done_callback(lambda _: self._record())
+
+    def _record(self) -> None:
+        with self._lock:
+            if not self._recorded:
+                self._recorded = True
+                self._timeline.add(self._name, self._start, self._timeline.now(), self._lane)
+
+    def wait(self, *args):
+        result = self._work.wait(*args)
+        self._record()
+        return result
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
