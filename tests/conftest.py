@@ -1,0 +1,70 @@
+"""Shared fixtures: every test that starts ranks must leave none behind."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+import torch
+
+INFRASTRUCTURE = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+
+
+def descendants_except_infrastructure(root: psutil.Process) -> list[psutil.Process]:
+    """Live descendants of ``root`` other than its forkserver and resource tracker.
+
+    Ranks are forked *from* the forkserver, so they carry its command line:
+    only the direct children of ``root`` are judged by command line.
+    """
+    infrastructure = set()
+    for child in root.children():
+        try:
+            if any(name in " ".join(child.cmdline()) for name in INFRASTRUCTURE):
+                infrastructure.add(child.pid)
+        except psutil.NoSuchProcess:
+            continue
+    found = []
+    for proc in root.children(recursive=True):
+        try:
+            if proc.pid in infrastructure or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except psutil.NoSuchProcess:
+            continue
+        found.append(proc)
+    return found
+
+
+def rank_processes() -> list[psutil.Process]:
+    return descendants_except_infrastructure(psutil.Process())
+
+
+def wait_for_no_ranks(limit_s: float = 5.0) -> list[psutil.Process]:
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        left = rank_processes()
+        if not left:
+            return []
+        time.sleep(0.05)
+    return rank_processes()
+
+
+@pytest.fixture
+def no_leftover_ranks():
+    yield
+    left = wait_for_no_ranks()
+    assert not left, f"processes left running: {[p.cmdline() for p in left]}"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (run scripts/gpu_check.sh on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
