@@ -3,6 +3,7 @@
 Conventional import: ``import overlapkit as ok``.
 """
 
+from . import costmodel, grading, pingpong
 from .launcher import (
     LaunchError,
     LaunchTimeoutError,
@@ -16,6 +17,9 @@ from .runtime import backend, device, is_main, local_rank, rank, world_size
 __version__ = "0.1.0"
 
 __all__ = [
+    "costmodel",
+    "grading",
+    "pingpong",
     "launch",
     "Timeline",
     "Span",

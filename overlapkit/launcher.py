@@ -403,6 +403,19 @@ def print_rank_output(logs: list[str], file=None) -> None:
     file.flush()
 
 
+#: files whose frames are the kit's plumbing, hidden from the learner's tracebacks
+_PLUMBING: set[str] = {os.path.abspath(_rank.__file__)}
+
+
+def hide_frames_from(path: str) -> None:
+    """Hide frames of ``path`` (a kit module that wraps the learner's code) from reports."""
+    _PLUMBING.add(os.path.abspath(path))
+
+
+def _is_plumbing(path: str) -> bool:
+    return os.path.abspath(path) in _PLUMBING
+
+
 _DUMP_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ .*\(most recent call first\):$", re.M)
 _DUMP_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<name>\S+)$')
 
@@ -441,7 +454,8 @@ def _where_hung(text: str, depth: int = 6) -> str:
         for f, n, name in frames:  # innermost first
             if os.path.abspath(f) == rank_py:
                 break
-            user.append((f, n, name))
+            if not _is_plumbing(f):
+                user.append((f, n, name))
         lines = []
         for f, n, name in user[:depth]:
             src = linecache.getline(f, n).strip()
@@ -468,6 +482,8 @@ def _timeout_error(running, world, timeout, stacks) -> LaunchTimeoutError:
 def _format_frames(frames) -> str:
     lines = ["Traceback (most recent call last):"]
     for filename, lineno, name, line in frames:
+        if _is_plumbing(filename):
+            continue
         # the rank had no source for notebook cells; this kernel does
         line = line or linecache.getline(filename, lineno).strip()
         lines.append(f'  File "{filename}", line {lineno}, in {name}')

@@ -1,0 +1,11 @@
+"""Exercise checks: each prints ✔/✘ per case with what differs, never hangs, returns a Report.
+
+Use in a notebook right after an exercise::
+
+    ok.grading.check_ping_pong(ping_pong)
+"""
+
+from .lab00 import check_fit_alpha_beta, check_ping_pong
+from .report import Report
+
+__all__ = ["Report", "check_ping_pong", "check_fit_alpha_beta"]

@@ -1,0 +1,123 @@
+"""Record the messages a rank sends and receives while a learner's function runs.
+
+Checks wrap ``torch.distributed``'s point-to-point calls (and its collectives,
+to notice a "from scratch" exercise that calls a built-in) so that feedback can
+say "rank 0 sent 3 messages of 8 bytes, expected 8 of 1024" instead of "wrong".
+Both spellings a learner may use are covered: ``dist.send(...)`` and
+``from torch.distributed import send``, as long as the function is unpickled
+after :func:`recording` starts (which :func:`run_recorded` arranges).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+
+import cloudpickle
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from ..launcher import hide_frames_from
+
+P2P = ("send", "recv", "isend", "irecv")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+)
+
+
+@dataclass
+class Traffic:
+    """Messages of one rank: (peer, bytes) pairs, and the built-in collectives it called."""
+
+    sent: list[tuple[int, int]] = field(default_factory=list)
+    received: list[tuple[int, int]] = field(default_factory=list)
+    collectives: list[str] = field(default_factory=list)
+
+    def sent_to(self, peer: int) -> list[int]:
+        return [n for p, n in self.sent if p == peer]
+
+    def received_from(self, peer: int) -> list[int]:
+        return [n for p, n in self.received if p == peer]
+
+
+def _nbytes(tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _peer(args, kwargs, key) -> int:
+    if len(args) > 1:
+        return int(args[1])
+    value = kwargs.get(key, kwargs.get("group_" + key))
+    return -1 if value is None else int(value)
+
+
+@contextlib.contextmanager
+def recording():
+    """Patch torch.distributed in this process; yields the :class:`Traffic` it fills."""
+    traffic = Traffic()
+    originals = {}
+
+    def wrap(name, original):
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            if name in ("send", "isend"):
+                traffic.sent.append((_peer(args, kwargs, "dst"), _nbytes(args[0] if args else kwargs["tensor"])))
+            elif name in ("recv", "irecv"):
+                traffic.received.append((_peer(args, kwargs, "src"), _nbytes(args[0] if args else kwargs["tensor"])))
+            else:
+                traffic.collectives.append(name)
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    for name in P2P + COLLECTIVES:
+        original = getattr(c10d, name, None)
+        if original is None:
+            continue
+        originals[name] = original
+        wrapped = wrap(name, original)
+        setattr(c10d, name, wrapped)
+        setattr(dist, name, wrapped)
+    try:
+        yield traffic
+    finally:
+        for name, original in originals.items():
+            setattr(c10d, name, original)
+            setattr(dist, name, original)
+
+
+def _recorded(fn_bytes: bytes, args, kwargs):
+    with recording() as traffic:
+        fn = cloudpickle.loads(fn_bytes)  # after patching: see the module docstring
+        value = fn(*args, **kwargs)
+    return value, traffic
+
+
+hide_frames_from(__file__)
+
+
+def run_recorded(fn, *args, world_size: int, timeout: float, **kwargs):
+    """``ok.launch`` ``fn`` with traffic recording; returns [(value, Traffic)] by rank."""
+    from ..launcher import dumps_keeping_filenames, launch  # noqa: PLC0415
+
+    # the ranks' own prints would make check output vary from run to run
+    return launch(
+        _recorded,
+        dumps_keeping_filenames(fn),
+        args,
+        kwargs,
+        world_size=world_size,
+        timeout=timeout,
+        quiet=True,
+    )
