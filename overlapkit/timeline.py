@@ -280,7 +280,14 @@ class Timeline:
         return f"Timeline(ranks={self.ranks}, lanes={self.lanes}, spans={len(self.spans)})"
 
     # ---------------------------------------------------------------- pictures
-    def plot(self, ax=None, title: str | None = None, labels: bool = True, t0: float | None = None):
+    def plot(
+        self,
+        ax=None,
+        title: str | None = None,
+        labels: bool = True,
+        t0: float | None = None,
+        legend: bool = True,
+    ):
         """Draw one row per (rank, lane); communication hidden under compute is hatched.
 
         Returns the matplotlib Figure. Times are milliseconds from ``t0``
@@ -336,6 +343,9 @@ class Timeline:
             else "no communication recorded"
         )
         ax.set_title(f"{title} — {metrics}" if title else metrics, fontsize=10)
+        if not legend:
+            fig.tight_layout()
+            return fig
         handles = [Patch(color=colors[lane], label=lane) for lane in self.lanes]
         if any(lane == COMM for _, lane in rows):
             handles.append(Patch(facecolor="none", edgecolor="#333333", hatch="////",

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m overlapkit bench NAME``. Each compares inside one run (ratios)."""

@@ -1,0 +1,70 @@
+"""Lab notebooks run top to bottom; they may fail only where an exercise is unfinished.
+
+(The solution notebooks are checked by nbval: `pytest --nbval solutions/`, part of `make test`.)
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+LABS = sorted((ROOT / "labs").glob("*.ipynb"))
+
+
+def assigned_names(source: str) -> set[str]:
+    """Top-level names a cell assigns (the ones later cells may miss if it failed)."""
+    tree = ast.parse(source)
+    names = set()
+    for node in tree.body:
+        targets = getattr(node, "targets", None) or [getattr(node, "target", None)]
+        for target in targets:
+            for sub in ast.walk(target) if target is not None else ():
+                if isinstance(sub, ast.Name):
+                    names.add(sub.id)
+    return names
+
+
+def missing_name(message: str) -> str | None:
+    m = re.match(r"name '(\w+)' is not defined", message)
+    return m.group(1) if m else None
+
+
+def test_only_names_left_unassigned_by_an_unfinished_exercise_may_be_missing():
+    assert assigned_names("times = f()\na, b = g()\nx: int = 1\nprint(y)") == {"times", "a", "b", "x"}
+    assert missing_name("name 'times' is not defined") == "times"
+
+
+@pytest.mark.parametrize("path", LABS, ids=[p.stem for p in LABS])
+def test_lab_fails_only_with_not_implemented_and_its_checks_say_so(path, no_leftover_ranks):
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(
+        nb, timeout=300, kernel_name="python3", allow_errors=True,
+        resources={"metadata": {"path": str(path.parent)}},
+    ).execute()
+    errors, check_verdicts = [], []
+    undefined = set()  # names that cells stopped by NotImplementedError never assigned
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+        for out in cell.outputs:
+            if out.output_type != "error":
+                continue
+            if out.ename == "NotImplementedError":
+                undefined |= assigned_names(cell.source)
+            elif not (out.ename == "NameError" and missing_name(out.evalue) in undefined):
+                errors.append((i, out.ename, out.evalue))
+        if "ok.grading.check_" in cell.source:
+            check_verdicts.append((i, text))
+    unexpected = errors
+    assert not unexpected, f"{path.name}: errors other than NotImplementedError: {unexpected}"
+    assert check_verdicts, f"{path.name} has no check cells"
+    for i, text in check_verdicts:
+        assert "✘" in text and "not implemented yet" in text, f"{path.name}, check cell {i}: {text!r}"
+        assert "✔" not in text, f"{path.name}, check cell {i} passes an unfinished exercise"
