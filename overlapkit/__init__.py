@@ -11,8 +11,8 @@ from .launcher import (
     RemoteTraceback,
     launch,
 )
-from .timeline import Span, Timeline
 from .runtime import backend, device, is_main, local_rank, rank, world_size
+from .timeline import Span, Timeline
 
 __version__ = "0.1.0"
 

@@ -11,7 +11,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="a one-minute tour: ranks, ping-pong, a timeline picture")
-    demo.add_argument("--out", default="overlapkit-demo.png", help="where to write the timeline picture")
+    demo.add_argument(
+        "--out", default="overlapkit-demo.png", help="where to write the timeline picture"
+    )
     demo.add_argument("--world-size", type=int, default=4)
 
     bench = sub.add_parser("bench", help="benchmarks (tables of times and ratios; CSV/JSON)")
@@ -20,7 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     bl.add_argument("--world-size", type=int, default=4)
     bl.add_argument("--reps", type=int, default=10, help="warm launches")
     bl.add_argument("--cold-reps", type=int, default=3, help="cold launches (fresh processes)")
-    bl.add_argument("--spawn-reps", type=int, default=3, help="torch.multiprocessing.spawn runs (0: skip)")
+    bl.add_argument(
+        "--spawn-reps", type=int, default=3, help="torch.multiprocessing.spawn runs (0: skip)"
+    )
     for p in (bl,):
         p.add_argument("--csv", help="also write the rows to this CSV file")
         p.add_argument("--json", help="also write the rows to this JSON file")
@@ -33,8 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     elif args.bench == "launch":
         from .bench.launch import run
 
-        run(world=args.world_size, reps=args.reps, cold_reps=args.cold_reps,
-            spawn_reps=args.spawn_reps, csv_path=args.csv, json_path=args.json)
+        run(
+            world=args.world_size,
+            reps=args.reps,
+            cold_reps=args.cold_reps,
+            spawn_reps=args.spawn_reps,
+            csv_path=args.csv,
+            json_path=args.json,
+        )
     return 0
 
 

@@ -35,7 +35,9 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float]) -> tuple[floa
     s = np.asarray(sizes, dtype=float)
     t = np.asarray(times, dtype=float)
     if s.shape != t.shape or s.ndim != 1 or len(s) < 2:
-        raise ValueError(f"need two equal-length 1-D sequences of >= 2 points, got {s.shape} and {t.shape}")
+        raise ValueError(
+            f"need two equal-length 1-D sequences of >= 2 points, got {s.shape} and {t.shape}"
+        )
     if np.any(t <= 0) or not np.all(np.isfinite(t)):
         raise ValueError("times must be positive and finite (seconds)")
     design = np.stack([np.ones_like(s), s], axis=1) / t[:, None]

@@ -21,8 +21,13 @@ from .timeline import COMM, Timeline
 
 
 def _hello():
-    return {"rank": runtime.rank(), "pid": os.getpid(), "backend": runtime.backend(),
-            "device": str(runtime.device()), "threads": torch.get_num_threads()}
+    return {
+        "rank": runtime.rank(),
+        "pid": os.getpid(),
+        "backend": runtime.backend(),
+        "device": str(runtime.device()),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def _sweep(sizes):
@@ -61,10 +66,19 @@ def run(out: str = "overlapkit-demo.png", world: int = 4) -> str:
     sizes = pingpong.default_sizes(8, 8 << 20)
     times = launch(_sweep, sizes, world_size=2)[0]
     alpha, beta = costmodel.fit_alpha_beta(sizes, times)
-    rows = [{"bytes": n, "one_way_us": t * 1e6, "GB/s": n / t / 1e9,
-             "model_us": costmodel.message_time(n, alpha, beta) * 1e6} for n, t in zip(sizes, times, strict=True)]
+    rows = [
+        {
+            "bytes": n,
+            "one_way_us": t * 1e6,
+            "GB/s": n / t / 1e9,
+            "model_us": costmodel.message_time(n, alpha, beta) * 1e6,
+        }
+        for n, t in zip(sizes, times, strict=True)
+    ]
     print(format_table(rows))
-    print(f"fit: α = {alpha * 1e6:.1f} µs, bandwidth 1/β = {costmodel.bandwidth_gbps(beta):.2f} GB/s")
+    print(
+        f"fit: α = {alpha * 1e6:.1f} µs, bandwidth 1/β = {costmodel.bandwidth_gbps(beta):.2f} GB/s"
+    )
 
     print("\n3. the same step, AllReduce after the compute vs during it (2 ranks)")
     serial = Timeline.merge(launch(_step, False, world_size=2))
@@ -78,9 +92,16 @@ def run(out: str = "overlapkit-demo.png", world: int = 4) -> str:
     plt.close(fig)
     table = []
     for name, tl in (("serial", serial), ("overlapped", overlapped)):
-        table.append({"schedule": name, "wall_ms": tl.wall() * 1e3,
-                      "compute_ms": tl.busy("compute", 0) * 1e3, "comm_ms": tl.busy(COMM, 0) * 1e3,
-                      "overlap_ratio": tl.overlap_ratio(), "hidden": tl.hidden_fraction()})
+        table.append(
+            {
+                "schedule": name,
+                "wall_ms": tl.wall() * 1e3,
+                "compute_ms": tl.busy("compute", 0) * 1e3,
+                "comm_ms": tl.busy(COMM, 0) * 1e3,
+                "overlap_ratio": tl.overlap_ratio(),
+                "hidden": tl.hidden_fraction(),
+            }
+        )
     print(format_table(table))
     print(f"overlapping saved {1 - overlapped.wall() / serial.wall():.0%} of the wall time")
     print(f"\ntimeline picture: {os.path.abspath(out)}")

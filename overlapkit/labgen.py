@@ -67,7 +67,9 @@ def lab_cell_source(source: str, cell_type: str, where: str = "cell") -> str:
     lines = source.split("\n")
     if cell_type == "code":
         lines = _strip_region(lines, BEGIN_HIDDEN, END_HIDDEN, [], where)
-        lines = _strip_region(lines, BEGIN, END, ["# YOUR CODE HERE", "raise NotImplementedError"], where)
+        lines = _strip_region(
+            lines, BEGIN, END, ["# YOUR CODE HERE", "raise NotImplementedError"], where
+        )
         lines = [line for line in lines if not _DIRECTIVE.match(line)]
     elif cell_type == "markdown":
         lines = _strip_region(lines, BEGIN, END, ["YOUR ANSWER HERE"], where)
@@ -133,7 +135,10 @@ def record(path: Path, timeout: int = 300) -> float:
 
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
-        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
     )
     start = time.perf_counter()
     client.execute()
@@ -160,8 +165,11 @@ def record(path: Path, timeout: int = 300) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m overlapkit.labgen", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m overlapkit.labgen",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="write labs/ from solutions/")
     gen.add_argument("solutions", nargs="?", default="solutions", type=Path)

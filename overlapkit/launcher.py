@@ -416,7 +416,9 @@ def _is_plumbing(path: str) -> bool:
     return os.path.abspath(path) in _PLUMBING
 
 
-_DUMP_HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ .*\(most recent call first\):$", re.M)
+_DUMP_HEADER = re.compile(
+    r"^(Current thread|Thread) 0x[0-9a-f]+ .*\(most recent call first\):$", re.M
+)
 _DUMP_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<name>\S+)$')
 
 
@@ -470,7 +472,11 @@ def _timeout_error(running, world, timeout, stacks) -> LaunchTimeoutError:
     parts = [
         f"rank{'s' if len(running) > 1 else ''} {names} of {world} still running after "
         f"{timeout:g} s; all ranks were stopped"
-        + (f" (rank{'s' if len(done) > 1 else ''} {', '.join(map(str, done))} had finished)" if done else "")
+        + (
+            f" (rank{'s' if len(done) > 1 else ''} {', '.join(map(str, done))} had finished)"
+            if done
+            else ""
+        )
         + ". A rank waiting for a message nobody sends (or a collective that not every "
         "rank calls) hangs forever."
     ]
@@ -497,7 +503,9 @@ def _rebuild_failure(outcome: _Outcome, world: int) -> BaseException:
     others = sorted(r for r in outcome.errors if r != rank)
     header = f"raised on rank {rank} of {world}"
     if others:
-        header += f"; rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed after it"
+        header += (
+            f"; rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} failed after it"
+        )
     if message[0] != "died" and _is_echo(message) and outcome.values:
         done = ", ".join(map(str, sorted(outcome.values)))
         header += (
@@ -550,7 +558,11 @@ def _launch_in_place(fn, args, kwargs, world_size, backend):
         )
     if not dist.is_initialized():
         local = int(os.environ.get("LOCAL_RANK", 0))
-        chosen = "nccl" if backend in ("auto", "nccl") and runtime.cuda_devices_for(local + 1) else "gloo"
+        chosen = (
+            "nccl"
+            if backend in ("auto", "nccl") and runtime.cuda_devices_for(local + 1)
+            else "gloo"
+        )
         if chosen == "nccl":
             import torch
 

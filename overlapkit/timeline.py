@@ -315,21 +315,35 @@ class Timeline:
         for y, (r, lane) in enumerate(rows):
             mine = self.select(r, lane)
             bars = [((s.start - t0) * 1e3, s.duration * 1e3) for s in mine]
-            ax.broken_barh(bars, (y - 0.38, 0.76), facecolors=colors[lane], edgecolor="white", lw=0.5)
+            ax.broken_barh(
+                bars, (y - 0.38, 0.76), facecolors=colors[lane], edgecolor="white", lw=0.5
+            )
             if lane == COMM:  # hatch the parts that were hidden under compute
                 comm = union((s.start, s.end) for s in mine)
                 comp = union((s.start, s.end) for s in self.select(r, COMPUTE))
                 hidden = [((a - t0) * 1e3, (b - a) * 1e3) for a, b in intersect(comm, comp)]
                 if hidden:
                     ax.broken_barh(
-                        hidden, (y - 0.38, 0.76), facecolors="none", edgecolor="#333333",
-                        hatch="////", lw=0,
+                        hidden,
+                        (y - 0.38, 0.76),
+                        facecolors="none",
+                        edgecolor="#333333",
+                        hatch="////",
+                        lw=0,
                     )
             if labels:
                 for s, (x, w) in zip(mine, bars, strict=True):
                     if w > 0.06 * span_ms:
-                        ax.text(x + w / 2, y, s.name, ha="center", va="center", fontsize=8,
-                                color="white", clip_on=True)
+                        ax.text(
+                            x + w / 2,
+                            y,
+                            s.name,
+                            ha="center",
+                            va="center",
+                            fontsize=8,
+                            color="white",
+                            clip_on=True,
+                        )
         ax.set_yticks(range(len(rows)))
         ax.set_yticklabels([f"rank {r} · {lane}" for r, lane in rows])
         ax.set_ylim(len(rows) - 0.5, -0.5)
@@ -348,10 +362,22 @@ class Timeline:
             return fig
         handles = [Patch(color=colors[lane], label=lane) for lane in self.lanes]
         if any(lane == COMM for _, lane in rows):
-            handles.append(Patch(facecolor="none", edgecolor="#333333", hatch="////",
-                                 label="comm hidden under compute"))
-        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(rows) > 2 else -0.45),
-                  ncol=len(handles), frameon=False, fontsize=8)
+            handles.append(
+                Patch(
+                    facecolor="none",
+                    edgecolor="#333333",
+                    hatch="////",
+                    label="comm hidden under compute",
+                )
+            )
+        ax.legend(
+            handles=handles,
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.25 if len(rows) > 2 else -0.45),
+            ncol=len(handles),
+            frameon=False,
+            fontsize=8,
+        )
         fig.tight_layout()
         return fig
 
@@ -376,8 +402,12 @@ class Timeline:
         lanes = {lane: i for i, lane in enumerate(self.lanes)}
         events = []
         for r in self.ranks:
-            events.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}})
-            events.append({"name": "process_sort_index", "ph": "M", "pid": r, "args": {"sort_index": r}})
+            events.append(
+                {"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}}
+            )
+            events.append(
+                {"name": "process_sort_index", "ph": "M", "pid": r, "args": {"sort_index": r}}
+            )
             for lane, tid in lanes.items():
                 events.append(
                     {"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": lane}}

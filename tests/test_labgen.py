@@ -14,20 +14,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_solution_region_becomes_not_implemented_at_its_indentation():
-    src = (
-        "def f(x):\n"
-        "    y = 1\n"
-        "    ### BEGIN SOLUTION\n"
-        "    return x + y\n"
-        "    ### END SOLUTION\n"
-    )
+    src = "def f(x):\n    y = 1\n    ### BEGIN SOLUTION\n    return x + y\n    ### END SOLUTION\n"
     assert labgen.lab_cell_source(src, "code") == (
         "def f(x):\n    y = 1\n    # YOUR CODE HERE\n    raise NotImplementedError"
     )
 
 
 def test_hidden_tests_and_nbval_directives_are_removed():
-    src = "# NBVAL_IGNORE_OUTPUT\nx = 1\n### BEGIN HIDDEN TESTS\nassert x == 1\n### END HIDDEN TESTS\nprint(x)"
+    src = (
+        "# NBVAL_IGNORE_OUTPUT\nx = 1\n"
+        "### BEGIN HIDDEN TESTS\nassert x == 1\n### END HIDDEN TESTS\n"
+        "print(x)"
+    )
     assert labgen.lab_cell_source(src, "code") == "x = 1\nprint(x)"
 
 
@@ -62,7 +60,10 @@ def test_outputs_and_execution_counts_are_cleared_without_touching_the_solution(
 def test_generate_writes_reports_and_removes_strays(tmp_path):
     sol, labs = tmp_path / "solutions", tmp_path / "labs"
     sol.mkdir()
-    nbformat.write(new_notebook(cells=[new_code_cell("### BEGIN SOLUTION\nx=1\n### END SOLUTION")]), sol / "a.ipynb")
+    nbformat.write(
+        new_notebook(cells=[new_code_cell("### BEGIN SOLUTION\nx=1\n### END SOLUTION")]),
+        sol / "a.ipynb",
+    )
     labs.mkdir()
     (labs / "stray.ipynb").write_text("{}")
     assert labgen.generate(sol, labs, check=True) == [labs / "a.ipynb", labs / "stray.ipynb"]
@@ -80,8 +81,14 @@ def test_labs_are_what_the_generator_makes_from_solutions():
 def test_every_solution_has_an_exercise_followed_by_a_check_cell():
     for path in sorted((ROOT / "solutions").glob("*.ipynb")):
         cells = nbformat.read(path, as_version=4).cells
-        exercises = [i for i, c in enumerate(cells) if c.cell_type == "code" and labgen.has_exercise(c.source)]
+        exercises = [
+            i
+            for i, c in enumerate(cells)
+            if c.cell_type == "code" and labgen.has_exercise(c.source)
+        ]
         assert exercises, f"{path.name} has no exercise"
         for i in exercises:
             nxt = next(c for c in cells[i + 1 :] if c.cell_type == "code")
-            assert "ok.grading.check_" in nxt.source, f"{path.name}: cell {i} has no check cell after it"
+            assert "ok.grading.check_" in nxt.source, (
+                f"{path.name}: cell {i} has no check cell after it"
+            )

@@ -250,7 +250,9 @@ def test_function_defined_in_a_notebook_cell_runs_on_the_ranks(tmp_path):
             "except KeyError as e:\n    print(str(e.__cause__))"
         ),
     ]
-    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     launch_cell = nb.cells[1].outputs
     printed = "".join(o.get("text", "") for o in launch_cell if o.output_type == "stream")
     assert printed.splitlines() == [f"[rank {r}] from the cell {r}" for r in range(3)]
@@ -295,7 +297,14 @@ def test_under_torchrun_launch_runs_in_place_and_gathers_values(tmp_path):
             """
         )
     )
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     proc = _run([*torchrun, str(script)], cwd=tmp_path, env=env, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -321,7 +330,9 @@ def test_interrupt_kills_every_rank(tmp_path):
             """
         )
     )
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], cwd=tmp_path, stdout=subprocess.PIPE, text=True
+    )
     try:
         parent = psutil.Process(proc.pid)
         deadline = time.monotonic() + 60

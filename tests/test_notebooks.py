@@ -36,7 +36,12 @@ def missing_name(message: str) -> str | None:
 
 
 def test_only_names_left_unassigned_by_an_unfinished_exercise_may_be_missing():
-    assert assigned_names("times = f()\na, b = g()\nx: int = 1\nprint(y)") == {"times", "a", "b", "x"}
+    assert assigned_names("times = f()\na, b = g()\nx: int = 1\nprint(y)") == {
+        "times",
+        "a",
+        "b",
+        "x",
+    }
     assert missing_name("name 'times' is not defined") == "times"
 
 
@@ -44,7 +49,10 @@ def test_only_names_left_unassigned_by_an_unfinished_exercise_may_be_missing():
 def test_lab_fails_only_with_not_implemented_and_its_checks_say_so(path, no_leftover_ranks):
     nb = nbformat.read(path, as_version=4)
     NotebookClient(
-        nb, timeout=300, kernel_name="python3", allow_errors=True,
+        nb,
+        timeout=300,
+        kernel_name="python3",
+        allow_errors=True,
         resources={"metadata": {"path": str(path.parent)}},
     ).execute()
     errors, check_verdicts = [], []
@@ -66,5 +74,7 @@ def test_lab_fails_only_with_not_implemented_and_its_checks_say_so(path, no_left
     assert not unexpected, f"{path.name}: errors other than NotImplementedError: {unexpected}"
     assert check_verdicts, f"{path.name} has no check cells"
     for i, text in check_verdicts:
-        assert "✘" in text and "not implemented yet" in text, f"{path.name}, check cell {i}: {text!r}"
+        assert "✘" in text and "not implemented yet" in text, (
+            f"{path.name}, check cell {i}: {text!r}"
+        )
         assert "✔" not in text, f"{path.name}, check cell {i} passes an unfinished exercise"

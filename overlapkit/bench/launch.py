@@ -37,7 +37,9 @@ def _noop():
 def _spawned_rank(rank, world, store_path):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
     dist.destroy_process_group()
 
 
@@ -48,12 +50,14 @@ def time_spawn(world: int, attempts: int = 2) -> float:
         with tempfile.TemporaryDirectory(prefix="overlapkit-spawn-") as d:
             start = time.perf_counter()
             try:
-                tmp.spawn(_spawned_rank, args=(world, os.path.join(d, "store")), nprocs=world, join=True)
+                tmp.spawn(
+                    _spawned_rank, args=(world, os.path.join(d, "store")), nprocs=world, join=True
+                )
             except Exception as exc:
                 if attempt + 1 == attempts:
                     raise
-                print(f"torch.multiprocessing.spawn failed ({str(exc).splitlines()[0][:120]}); retrying",
-                      file=sys.stderr)
+                first_line = str(exc).splitlines()[0][:120]
+                print(f"mp.spawn failed ({first_line}); retrying", file=sys.stderr)
                 continue
             return time.perf_counter() - start
     raise AssertionError("unreachable")
@@ -70,7 +74,10 @@ print(json.dumps(time.perf_counter() - start))
 def time_cold(world: int) -> float:
     out = subprocess.run(
         [sys.executable, "-c", _COLD_SNIPPET.format(world=world)],
-        capture_output=True, text=True, timeout=300, check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     )
     return float(json.loads(out.stdout.strip().splitlines()[-1]))
 
@@ -81,8 +88,14 @@ def time_warm(world: int) -> float:
     return time.perf_counter() - start
 
 
-def run(world: int = 4, reps: int = 10, cold_reps: int = 3, spawn_reps: int = 3,
-        csv_path=None, json_path=None) -> list[dict]:
+def run(
+    world: int = 4,
+    reps: int = 10,
+    cold_reps: int = 3,
+    spawn_reps: int = 3,
+    csv_path=None,
+    json_path=None,
+) -> list[dict]:
     launch(_noop, world_size=world)  # start this process's forkserver: later calls are warm
     samples: dict[str, list[float]] = {"cold": [], "warm": [], "spawn": []}
     # interleave the methods in rounds, so that a noisy minute hurts all of them alike
@@ -102,19 +115,25 @@ def run(world: int = 4, reps: int = 10, cold_reps: int = 3, spawn_reps: int = 3,
         if not values:
             continue
         med = statistics.median(values)
-        rows.append({
-            "method": {"cold": "ok.launch cold", "warm": "ok.launch warm", "spawn": "mp.spawn"}[method],
-            "world_size": world,
-            "reps": len(values),
-            "median_s": med,
-            "min_s": min(values),
-            "max_s": max(values),
-            "x_warm": med / warm,
-        })
+        rows.append(
+            {
+                "method": {"cold": "ok.launch cold", "warm": "ok.launch warm", "spawn": "mp.spawn"}[
+                    method
+                ],
+                "world_size": world,
+                "reps": len(values),
+                "median_s": med,
+                "min_s": min(values),
+                "max_s": max(values),
+                "x_warm": med / warm,
+            }
+        )
     print(format_table(rows))
     spawn = next((r["median_s"] for r in rows if r["method"] == "mp.spawn"), None)
     if spawn:
-        print(f"\nwarm ok.launch is {spawn / warm:.0f}x faster than torch.multiprocessing.spawn "
-              f"for {world} ranks (same run, medians)")
+        print(
+            f"\nwarm ok.launch is {spawn / warm:.0f}x faster than torch.multiprocessing.spawn "
+            f"for {world} ranks (same run, medians)"
+        )
     write(rows, csv_path, json_path, meta={"bench": "launch", "python": sys.version.split()[0]})
     return rows

@@ -27,7 +27,9 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write(rows: list[dict], csv_path: str | None = None, json_path: str | None = None, meta=None) -> None:
+def write(
+    rows: list[dict], csv_path: str | None = None, json_path: str | None = None, meta=None
+) -> None:
     if csv_path:
         with open(csv_path, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -39,8 +39,15 @@ def check_ping_pong(ping_pong, timeout: float = 60.0) -> Report:
     report = Report("ping_pong")
     iters = 8
     for nbytes in (8, 1 << 20):
-        results = run_or_report(report, f"ping_pong({nbytes}, {iters})", ping_pong, nbytes, iters,
-                                world_size=2, timeout=timeout)
+        results = run_or_report(
+            report,
+            f"ping_pong({nbytes}, {iters})",
+            ping_pong,
+            nbytes,
+            iters,
+            world_size=2,
+            timeout=timeout,
+        )
         if results is None:
             return report
         (value, t0), (_, t1) = results
@@ -54,8 +61,17 @@ def check_ping_pong(ping_pong, timeout: float = 60.0) -> Report:
     nbytes, size = 4 << 20, human_bytes(4 << 20)
     ratio = None
     for _ in range(3):
-        results = run_or_report(report, f"ping_pong({nbytes}, 5)", _interleaved, ping_pong, nbytes, 5, 3,
-                                world_size=2, timeout=timeout)
+        results = run_or_report(
+            report,
+            f"ping_pong({nbytes}, 5)",
+            _interleaved,
+            ping_pong,
+            nbytes,
+            5,
+            3,
+            world_size=2,
+            timeout=timeout,
+        )
         if results is None:
             return report
         student_times, kit_time = results[0][0]
@@ -100,20 +116,27 @@ def _check_messages(report, size, nbytes, iters, t0, t1):
         else:
             report.ok(f"{size}: rank {me} sent and received {expected} to/from rank {peer}")
         if traffic.collectives:
-            report.fail(f"{size}: rank {me} called {', '.join(sorted(set(traffic.collectives)))}; "
-                        "a ping-pong needs only send and recv")
+            report.fail(
+                f"{size}: rank {me} called {', '.join(sorted(set(traffic.collectives)))}; "
+                "a ping-pong needs only send and recv"
+            )
 
 
 def _check_value(report, size, value) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        report.fail(f"{size}: rank 0 returned {value!r} ({type(value).__name__}); expected a float in seconds")
+        report.fail(
+            f"{size}: rank 0 returned {value!r} ({type(value).__name__}); "
+            "expected a float in seconds"
+        )
         return False
     if not math.isfinite(value) or value <= 0:
         report.fail(f"{size}: rank 0 returned {value!r}; a time must be positive and finite")
         return False
     if value > 1.0:
-        report.fail(f"{size}: rank 0 returned {value:g}; a one-way time of {size} on this machine is "
-                    "far below a second: did you return milliseconds or microseconds?")
+        report.fail(
+            f"{size}: rank 0 returned {value:g}; a one-way time of {size} on this machine is "
+            "far below a second: did you return milliseconds or microseconds?"
+        )
         return False
     report.ok(f"{size}: rank 0 returned a time in seconds")
     return True
@@ -137,7 +160,9 @@ def check_fit_alpha_beta(fit_alpha_beta) -> Report:
         try:
             got = fit_alpha_beta(list(sizes), list(times))
         except NotImplementedError:
-            report.fail(f"{label}: not implemented yet (the function still raises NotImplementedError)")
+            report.fail(
+                f"{label}: not implemented yet (the function still raises NotImplementedError)"
+            )
             return report
         except Exception as exc:
             report.fail(f"{label}: raised {type(exc).__name__}: {exc}")
@@ -158,8 +183,10 @@ def check_fit_alpha_beta(fit_alpha_beta) -> Report:
         if got_b and abs(got_b / want_b) > 1e2:
             hints.append("β is seconds per byte (1 / bandwidth in bytes/s).")
         if not a_ok and b_ok and label.startswith("noisy"):
-            hints.append("The largest messages dominate a plain least-squares fit: weight each "
-                         "point by 1/t to minimise relative error.")
+            hints.append(
+                "The largest messages dominate a plain least-squares fit: weight each "
+                "point by 1/t to minimise relative error."
+            )
         report.fail(
             f"{label}: got α = {human_seconds(got_a)}, β = {got_b:.3g} s/B; expected "
             f"α ≈ {human_seconds(want_a)}, β ≈ {want_b:.3g} s/B (within {tol:.0%})."

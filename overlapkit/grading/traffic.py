@@ -72,9 +72,13 @@ def recording():
         @functools.wraps(original)
         def wrapper(*args, **kwargs):
             if name in ("send", "isend"):
-                traffic.sent.append((_peer(args, kwargs, "dst"), _nbytes(args[0] if args else kwargs["tensor"])))
+                traffic.sent.append(
+                    (_peer(args, kwargs, "dst"), _nbytes(args[0] if args else kwargs["tensor"]))
+                )
             elif name in ("recv", "irecv"):
-                traffic.received.append((_peer(args, kwargs, "src"), _nbytes(args[0] if args else kwargs["tensor"])))
+                traffic.received.append(
+                    (_peer(args, kwargs, "src"), _nbytes(args[0] if args else kwargs["tensor"]))
+                )
             else:
                 traffic.collectives.append(name)
             return original(*args, **kwargs)

@@ -1,0 +1,58 @@
+# overlapkit — the two commands are `make lab` and `make test` (see README.md).
+# Everything runs from a virtual environment in .venv, created on first use.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.overlapkit-installed
+# extra pip arguments, e.g. PIP_ARGS="--extra-index-url URL" for a CPU-only torch
+PIP_ARGS ?=
+# extra JupyterLab arguments, e.g. JUPYTER_ARGS="--no-browser --port 8899"
+JUPYTER_ARGS ?=
+PYTEST_ARGS ?=
+# JupyterLab refuses to run as root unless told; containers and CI machines often are root
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
+LINTED := overlapkit tests solutions
+
+.PHONY: venv lab test lint demo bench labs record gpu-check clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --disable-pip-version-check $(PIP_ARGS) -e '.[lab,test]'
+	@touch $@
+
+venv: $(STAMP)
+
+## Open the labs in JupyterLab.
+lab: $(STAMP)
+	$(BIN)/jupyter lab --ServerApp.root_dir=labs $(ROOT_FLAG) $(JUPYTER_ARGS)
+
+## Lint, then every test: library, generator, lab notebooks, and nbval on the solutions.
+test: $(STAMP) lint
+	$(BIN)/python -m pytest $(PYTEST_ARGS) tests --nbval --nbval-current-env --nbval-cell-timeout=300 solutions
+
+lint: $(STAMP)
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
+
+## A one-minute tour: ranks, ping-pong, a timeline picture.
+demo: $(STAMP)
+	$(BIN)/python -m overlapkit demo
+
+bench: $(STAMP)
+	$(BIN)/python -m overlapkit bench launch
+
+## Regenerate labs/ from solutions/ (after editing a solution notebook).
+labs: $(STAMP)
+	$(BIN)/python -m overlapkit.labgen generate solutions labs
+
+## Re-execute solution notebooks and store the outputs that nbval compares.
+record: $(STAMP)
+	$(BIN)/python -m overlapkit.labgen record solutions/*.ipynb
+
+## Every GPU check (on a machine with CUDA).
+gpu-check: $(STAMP)
+	PYTHON=$(BIN)/python bash scripts/gpu_check.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,117 @@
+"""The command line: demo, bench launch, the lab generator; JupyterLab serving the labs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args, timeout=300, cwd=ROOT):
+    proc = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_demo_prints_its_tables_and_writes_a_timeline_picture(tmp_path):
+    out = run("-m", "overlapkit", "demo", "--out", str(tmp_path / "demo.png"))
+    assert "1. 4 ranks" in out and "fit: α =" in out
+    assert "serial" in out and "overlapped" in out and "overlap_ratio" in out
+    assert f"timeline picture: {tmp_path / 'demo.png'}" in out
+    png = (tmp_path / "demo.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 20_000
+
+
+def test_bench_launch_writes_rows_for_cold_warm_and_spawn(tmp_path):
+    out_json = tmp_path / "launch.json"
+    out_csv = tmp_path / "launch.csv"
+    args = ["--world-size", "2", "--reps", "2", "--cold-reps", "1", "--spawn-reps", "1"]
+    out = run(
+        "-m", "overlapkit", "bench", "launch", *args, "--json", str(out_json), "--csv", str(out_csv)
+    )
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [r["method"] for r in rows] == ["ok.launch cold", "ok.launch warm", "mp.spawn"]
+    assert [r["reps"] for r in rows] == [1, 2, 1]
+    assert all(r["median_s"] > 0 and r["min_s"] <= r["median_s"] <= r["max_s"] for r in rows)
+    warm = rows[1]
+    assert warm["x_warm"] == 1.0
+    assert "faster than torch.multiprocessing.spawn" in out
+    assert out_csv.read_text().splitlines()[0].startswith("method,world_size,reps,median_s")
+
+
+def test_labgen_check_passes_on_the_committed_labs():
+    assert "up to date" in run("-m", "overlapkit.labgen", "generate", "--check")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_make_lab_starts_jupyterlab_serving_the_labs():
+    """Runs the real `make lab` recipe on this venv (``-o``: do not reinstall)."""
+    port = _free_port()
+    venv = Path(sys.prefix)
+    jupyter_args = (
+        f"--no-browser --port={port} --ServerApp.ip=127.0.0.1 "
+        "--IdentityProvider.token=overlapkit-test --ServerApp.port_retries=0"
+    )
+    cmd = [
+        "make",
+        "-s",
+        "-o",
+        str(venv / ".overlapkit-installed"),
+        "lab",
+        f"VENV={venv}",
+        f"JUPYTER_ARGS={jupyter_args}",
+    ]
+    server = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}/api/contents?token=overlapkit-test"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    listing = json.load(response)
+                break
+            except OSError:
+                if server.poll() is not None:
+                    pytest.fail(
+                        f"make lab exited with {server.returncode}:\n{server.stdout.read()}"
+                    )
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        names = {item["name"] for item in listing["content"]}
+        assert "00_getting_started.ipynb" in names
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/lab?token=overlapkit-test", timeout=10
+        ) as r:
+            assert r.status == 200 and b"JupyterLab" in r.read()
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
