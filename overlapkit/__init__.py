@@ -3,7 +3,15 @@
 Conventional import: ``import overlapkit as ok``.
 """
 
-from . import costmodel, grading, pingpong
+from . import costmodel, grading, p2p, pingpong
+from .collectives import (
+    CollectiveMismatchError,
+    bucketed_all_reduce,
+    naive_all_reduce,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+)
 from .launcher import (
     LaunchError,
     LaunchTimeoutError,
@@ -11,12 +19,21 @@ from .launcher import (
     RemoteTraceback,
     launch,
 )
+from .p2p import Link
 from .runtime import backend, device, is_main, local_rank, rank, world_size
 from .timeline import Span, Timeline
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Link",
+    "p2p",
+    "naive_all_reduce",
+    "ring_reduce_scatter",
+    "ring_all_gather",
+    "ring_all_reduce",
+    "bucketed_all_reduce",
+    "CollectiveMismatchError",
     "costmodel",
     "grading",
     "pingpong",

@@ -30,6 +30,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from . import p2p
+
 #: faulthandler marks each dump with this header; the caller looks for it.
 DUMP_SIGNAL = signal.SIGUSR1
 
@@ -46,6 +48,7 @@ class RankSpec:
     threads: int
     timeout_s: float
     env: dict = field(default_factory=dict)
+    link: object = None  # an overlapkit.p2p.Link for the kit's messages, or None
 
 
 def log_path(log_dir: str, rank: int) -> str:
@@ -163,6 +166,7 @@ def main(spec: RankSpec, rank: int, conn) -> None:
             # the caller enforces the user's timeout; this only bounds stray waits
             timeout=timedelta(seconds=max(60.0, spec.timeout_s + 30.0)),
         )
+        p2p.set_link(spec.link)
         value = fn(*args, **kwargs)
         message = ("ok", dumps_result(value))
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller

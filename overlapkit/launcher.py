@@ -49,7 +49,7 @@ import warnings
 import cloudpickle
 import torch.distributed as dist
 
-from . import _rank, runtime
+from . import _rank, p2p, runtime
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -171,6 +171,7 @@ def launch(
     timeout: float | None = DEFAULT_TIMEOUT_S,
     threads: int | None = None,
     quiet: bool = False,
+    link=None,
     **kwargs,
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks; return their values by rank.
@@ -180,7 +181,8 @@ def launch(
     gloo). ``timeout`` (seconds, None for none) bounds the whole launch.
     ``threads`` sets torch's intra-op threads per rank; by default the cores
     are shared out so that ranks do not oversubscribe them. ``quiet=True``
-    discards the ranks' output instead of printing it.
+    discards the ranks' output instead of printing it. ``link`` (an :class:`ok.Link`)
+    emulates a network for the kit's point-to-point messages and collectives.
     """
     if not callable(fn):
         raise TypeError(f"launch() needs a function to run on the ranks, got {type(fn).__name__}")
@@ -189,7 +191,7 @@ def launch(
     if timeout is not None and timeout <= 0:
         raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
     if _under_torchrun():
-        return _launch_in_place(fn, args, kwargs, world_size, backend)
+        return _launch_in_place(fn, args, kwargs, world_size, backend, link)
 
     backend = runtime.resolve_backend(backend, world_size)
     if threads is None:
@@ -212,6 +214,7 @@ def launch(
         threads=threads,
         timeout_s=timeout if timeout is not None else 3600.0,
         env=dict(os.environ),
+        link=link,
     )
     ranks = _Ranks(spec)
     try:
@@ -547,7 +550,7 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _launch_in_place(fn, args, kwargs, world_size, backend):
+def _launch_in_place(fn, args, kwargs, world_size, backend, link=None):
     """Under torchrun this process *is* a rank: run here, all-gather the values."""
     world = int(os.environ["WORLD_SIZE"])
     if world != world_size:
@@ -568,6 +571,7 @@ def _launch_in_place(fn, args, kwargs, world_size, backend):
 
             torch.cuda.set_device(local)
         dist.init_process_group(chosen)
+    p2p.set_link(link)
     value = fn(*args, **kwargs)
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
