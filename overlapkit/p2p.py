@@ -167,8 +167,9 @@ def irecv(tensor: torch.Tensor, src: int, group=None):
     done_at = []
 
     def ready() -> float:
-        if not done_at:  # reserve the incoming link once, when the header is in
-            header_work.wait()
+        # called only once both works are done (waiting twice on a gloo receive
+        # blocks); reserves the incoming link once, from the sender's departure
+        if not done_at:
             done_at.append(state.arrive(float(header.item()), nbytes))
         return done_at[0]
 
