@@ -25,7 +25,24 @@ def main(argv: list[str] | None = None) -> int:
     bl.add_argument(
         "--spawn-reps", type=int, default=3, help="torch.multiprocessing.spawn runs (0: skip)"
     )
-    for p in (bl,):
+    bc = which.add_parser(
+        "collectives", help="naive and ring AllReduce vs the built-in and the model"
+    )
+    bc.add_argument(
+        "--sizes", default="1K,16K,256K,1M,4M,16M,64M", help="comma-separated, e.g. 1K,4M"
+    )
+    bc.add_argument("--world-sizes", default="2,4", help="comma-separated")
+    bc.add_argument(
+        "--algorithms",
+        default=None,
+        help="naive,ring,builtin (default: all; no builtin with --link)",
+    )
+    bc.add_argument(
+        "--link", default=None, help="emulate a link: LATENCY_US,BANDWIDTH_GBPS, e.g. 50,1"
+    )
+    bc.add_argument("--reps", type=int, default=5)
+    bc.add_argument("--warmup", type=int, default=1)
+    for p in (bl, bc):
         p.add_argument("--csv", help="also write the rows to this CSV file")
         p.add_argument("--json", help="also write the rows to this JSON file")
 
@@ -34,6 +51,24 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run
 
         run(out=args.out, world=args.world_size)
+    elif args.bench == "collectives":
+        from .bench.collectives import run
+        from .p2p import Link
+
+        link = None
+        if args.link:
+            latency, bandwidth = (float(x) for x in args.link.split(","))
+            link = Link(latency, bandwidth)
+        run(
+            sizes=args.sizes.split(","),
+            world_sizes=[int(w) for w in args.world_sizes.split(",")],
+            algorithms=args.algorithms.split(",") if args.algorithms else None,
+            link=link,
+            reps=args.reps,
+            warmup=args.warmup,
+            csv_path=args.csv,
+            json_path=args.json,
+        )
     elif args.bench == "launch":
         from .bench.launch import run
 

@@ -239,6 +239,27 @@ def naive_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, check: b
 # --------------------------------------------------------------------------- ring
 
 
+#: a ring step moves its chunk in pieces of this size, so that reducing piece j
+#: overlaps with receiving piece j+1 (the pipelining that pays for large chunks)
+PIECE_BYTES = 1 << 20
+
+_scratch: dict = {}
+
+
+def _scratch_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A reusable receive buffer: a fresh one per call would page-fault on every byte."""
+    key = (like.dtype, like.device)
+    buf = _scratch.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel]
+
+
+def _pieces(lo: int, hi: int, element_size: int) -> list[tuple[int, int]]:
+    n = max(1, (hi - lo) * element_size // PIECE_BYTES)
+    return [(lo + a, lo + b) for a, b in chunk_bounds(hi - lo, n) if b > a]
+
+
 def _ring_reduce_scatter_flat(acc: torch.Tensor, bounds, op: str, group) -> None:
     """Reduce ``acc`` around the ring so that chunk ``me`` ends fully reduced on rank ``me``.
 
@@ -248,20 +269,26 @@ def _ring_reduce_scatter_flat(acc: torch.Tensor, bounds, op: str, group) -> None
     ::
 
         step 0:  r0 ─c3─► r1 ─c0─► r2 ─c1─► r3 ─c2─► r0
+
+    Within a step the chunk travels in pieces, all posted at once; each piece
+    is reduced as soon as it is in, while the next ones are still arriving.
     """
     me, world, left, right = _ring(group)
-    tmp = torch.empty(max(e - s for s, e in bounds), dtype=acc.dtype, device=acc.device)
+    tmp = _scratch_buffer(max(e - s for s, e in bounds), acc)
+    size = acc.element_size()
     for k in range(world - 1):
         s_lo, s_hi = bounds[(me - k - 1) % world]
         r_lo, r_hi = bounds[(me - k - 2) % world]
-        handles = []
-        if s_hi > s_lo:  # both ends know the bounds, so both skip an empty chunk
-            handles.append(p2p.isend(acc[s_lo:s_hi], right, group))
-        if r_hi > r_lo:
-            handles.append(p2p.irecv(tmp[: r_hi - r_lo], left, group))
-        p2p.wait_all(handles)
-        if r_hi > r_lo:
-            reduce_into(acc[r_lo:r_hi], tmp[: r_hi - r_lo], op)
+        # both ends know the bounds, so both skip an empty chunk
+        sends = [p2p.isend(acc[a:b], right, group) for a, b in _pieces(s_lo, s_hi, size)]
+        recvs = [
+            (a, b, p2p.irecv(tmp[a - r_lo : b - r_lo], left, group))
+            for a, b in _pieces(r_lo, r_hi, size)
+        ]
+        for a, b, handle in recvs:
+            handle.wait()
+            reduce_into(acc[a:b], tmp[a - r_lo : b - r_lo], op)
+        p2p.wait_all(sends)
 
 
 def _ring_all_gather_flat(buf: torch.Tensor, bounds, group) -> None:

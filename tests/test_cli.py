@@ -115,3 +115,29 @@ def test_make_lab_starts_jupyterlab_serving_the_labs():
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
+
+
+def test_bench_collectives_reports_busbw_ratios_and_model_columns(tmp_path):
+    plain = tmp_path / "plain.json"
+    run("-m", "overlapkit", "bench", "collectives", "--sizes", "4K,256K", "--world-sizes", "2",
+        "--reps", "2", "--json", str(plain))  # fmt: skip
+    rows = json.loads(plain.read_text())["rows"]
+    assert [(r["bytes"], r["algorithm"]) for r in rows] == [
+        (4096, "naive"), (4096, "ring"), (4096, "builtin"),
+        (262144, "naive"), (262144, "ring"), (262144, "builtin"),
+    ]  # fmt: skip
+    for r in rows:  # busbw = algbw × 2(N−1)/N, and N = 2
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"])
+        assert r["algbw_GBps"] == pytest.approx(r["bytes"] / (r["time_ms"] / 1e3) / 1e9)
+    assert [r["x_builtin"] for r in rows if r["algorithm"] == "builtin"] == [1.0, 1.0]
+
+    linked = tmp_path / "linked.json"
+    out = run("-m", "overlapkit", "bench", "collectives", "--sizes", "1M", "--world-sizes", "3",
+              "--reps", "2", "--link", "100,0.2", "--json", str(linked))  # fmt: skip
+    assert "Link(100 µs, 0.2 GB/s): fitted from a ping-pong over it" in out
+    data = json.loads(linked.read_text())
+    assert [r["algorithm"] for r in data["rows"]] == ["naive", "ring"]
+    for r in data["rows"]:
+        # the emulated link is a lower bound on the ring: 2(N−1)·(α + S/N·β)
+        assert r["bound_ms"] == pytest.approx(4 * (100e-6 + 2**20 / 3 / 0.2e9) * 1e3)
+        assert 0 < r["efficiency"] <= 1.0 and r["model_ms"] > 0

@@ -1,0 +1,155 @@
+"""bench collectives: naive and ring AllReduce against the built-in, and against the α-β model.
+
+For each world size and message size, one launch runs every algorithm on the
+same ranks, interleaved (naive, ring, built-in, naive, ring, ...), after a
+warm-up; an iteration's time is the slowest rank's; the table shows medians.
+
+* algbw = S / t; busbw = algbw × 2(N−1)/N (nccl-tests' factor for AllReduce),
+  which is comparable across world sizes and near the link's bandwidth when
+  the algorithm is bandwidth-optimal;
+* x_builtin: busbw ÷ the built-in's busbw in the same launch (no link only:
+  the built-in does not go through the emulated link);
+* with ``--link``: bound_ms is the α-β lower bound of the ring, 2(N−1)·(α + S/N·β),
+  with the link's α and β, and efficiency = bound / measured; model_ms predicts
+  each algorithm from α and β *fitted* to a ping-pong over the same link (and
+  the measured reduction cost γ), and model_err is its relative error.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from .. import collectives, costmodel, pingpong, runtime
+from ..launcher import launch
+from .table import format_table, write
+
+ALGORITHMS = {
+    "naive": lambda t: collectives.naive_all_reduce(t, check=False),
+    "ring": lambda t: collectives.ring_all_reduce(t, check=False),
+    "builtin": lambda t: dist.all_reduce(t),
+}
+
+
+def _sync():
+    if runtime.device().type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _measure(nbytes: int, algorithms, reps: int, warmup: int) -> dict[str, list[float]]:
+    device = runtime.device()
+    source = torch.randn(max(1, nbytes // 4), device=device)
+    bufs = {a: torch.empty_like(source) for a in algorithms}
+    times: dict[str, list[float]] = {a: [] for a in algorithms}
+    slowest = torch.zeros(1, dtype=torch.float64, device=device)
+    for i in range(warmup + reps):
+        for a in algorithms:
+            bufs[a].copy_(source)
+            _sync()
+            dist.barrier()
+            start = time.perf_counter()
+            ALGORITHMS[a](bufs[a])
+            _sync()
+            slowest.fill_(time.perf_counter() - start)
+            dist.all_reduce(
+                slowest, op=dist.ReduceOp.MAX
+            )  # an iteration ends with its slowest rank
+            if i >= warmup:
+                times[a].append(slowest.item())
+    return times
+
+
+def _fit_link(sizes) -> tuple[float, float, float]:
+    """α, β from a ping-pong over the (emulated) link, and γ from timing a local reduction."""
+    times = pingpong.sweep(sizes, iters=5, warmup=1)
+    a = torch.randn(4 << 20)
+    b = torch.randn(4 << 20)
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        a.add_(b)
+        samples.append(time.perf_counter() - start)
+    gamma = statistics.median(samples) / a.numel() / a.element_size()
+    if runtime.rank() != 0:
+        return None
+    alpha, beta = costmodel.fit_alpha_beta(sizes, times)
+    return alpha, beta, gamma
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper().removesuffix("B")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def run(
+    sizes=("1K", "16K", "256K", "1M", "4M", "16M", "64M"),
+    world_sizes=(2, 4),
+    algorithms=None,
+    link=None,
+    reps: int = 5,
+    warmup: int = 1,
+    csv_path=None,
+    json_path=None,
+) -> list[dict]:
+    sizes = [parse_size(s) if isinstance(s, str) else int(s) for s in sizes]
+    if algorithms is None:  # the built-in ignores the emulated link: no fair comparison there
+        algorithms = ("naive", "ring") if link else ("naive", "ring", "builtin")
+    unknown = set(algorithms) - set(ALGORITHMS)
+    if unknown:
+        raise ValueError(f"unknown algorithms {sorted(unknown)}: choose from {sorted(ALGORITHMS)}")
+    fitted = {}
+    if link is not None:
+        probe = [8 * 4**k for k in range(12)]
+        fitted = dict(
+            zip(
+                "abg", launch(_fit_link, probe, world_size=2, link=link, quiet=True)[0], strict=True
+            )
+        )
+        print(
+            f"{link}: fitted from a ping-pong over it: α = {fitted['a'] * 1e6:.1f} µs, "
+            f"1/β = {costmodel.bandwidth_gbps(fitted['b']):.3f} GB/s; "
+            f"reduction γ = {fitted['g'] * 1e9:.3f} ns/byte"
+        )
+    rows = []
+    combos = [(w, s) for w in world_sizes for s in sizes]
+    for world, nbytes in tqdm(combos, desc="bench collectives", unit="size", file=sys.stderr):
+        args = (nbytes, list(algorithms), reps, warmup)
+        times = launch(_measure, *args, world_size=world, link=link, quiet=True, timeout=900)[0]
+        factor = costmodel.BUSBW_FACTOR["all_reduce"](world)
+        medians = {a: statistics.median(ts) for a, ts in times.items()}
+        for a in algorithms:
+            t = medians[a]
+            row = {
+                "world": world,
+                "bytes": nbytes,
+                "algorithm": a,
+                "time_ms": t * 1e3,
+                "algbw_GBps": nbytes / t / 1e9,
+                "busbw_GBps": nbytes / t / 1e9 * factor,
+            }
+            if link is None:
+                row["x_builtin"] = medians["builtin"] / t if "builtin" in medians else float("nan")
+            else:
+                bound = costmodel.ring_all_reduce(nbytes, world, link.alpha, link.beta)
+                predict = {"naive": costmodel.naive_all_reduce, "ring": costmodel.ring_all_reduce}[
+                    a
+                ]
+                model = predict(nbytes, world, fitted["a"], fitted["b"], fitted["g"])
+                row.update(
+                    bound_ms=bound * 1e3,
+                    efficiency=bound / t,
+                    model_ms=model * 1e3,
+                    model_err=(t - model) / model if model else float("nan"),
+                )
+            rows.append(row)
+    print(format_table(rows))
+    meta = {"bench": "collectives", "link": str(link) if link else None, "reps": reps,
+            "fitted": fitted or None}  # fmt: skip
+    write(rows, csv_path, json_path, meta=meta)
+    return rows

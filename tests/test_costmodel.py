@@ -1,0 +1,85 @@
+"""ok.costmodel: the α-β formulas, the fit, and the exact figures the labs state."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from overlapkit import costmodel as cm
+
+A, B = 50e-6, 1e-9  # 50 µs, 1 GB/s
+
+
+def test_fit_recovers_alpha_and_beta_and_survives_relative_noise():
+    sizes = [8 * 4**k for k in range(12)]
+    exact = [A + B * s for s in sizes]
+    assert cm.fit_alpha_beta(sizes, exact) == pytest.approx((A, B), rel=1e-9)
+    rng = random.Random(1)
+    noisy = [t * rng.uniform(0.9, 1.1) for t in exact]
+    alpha, beta = cm.fit_alpha_beta(sizes, noisy)
+    assert alpha == pytest.approx(A, rel=0.2) and beta == pytest.approx(B, rel=0.1)
+
+
+@pytest.mark.parametrize("times", [[1.0], [1.0, -1.0], [1.0, float("nan")]])
+def test_fit_rejects_too_few_or_non_positive_times(times):
+    with pytest.raises(ValueError):
+        cm.fit_alpha_beta([1, 2][: len(times)], times)
+
+
+def test_naive_all_reduce_is_linear_in_the_number_of_ranks():
+    S = 64e6
+    assert cm.naive_all_reduce(S, 4, A, B) == pytest.approx(2 * A + 6 * S * B)
+    assert cm.naive_all_reduce(S, 1, A, B) == 0.0
+
+
+def test_ring_all_reduce_bandwidth_term_is_bounded_but_latency_term_grows():
+    S = 64e6
+    assert cm.ring_all_reduce(S, 4, A, B) == pytest.approx(6 * A + 1.5 * S * B)
+    big = cm.ring_all_reduce(S, 1024, 0.0, B)
+    assert big == pytest.approx(2 * 1023 / 1024 * S * B) and big < 2 * S * B
+    assert cm.ring_all_reduce(S, 1024, A, 0.0) == pytest.approx(2 * 1023 * A)
+
+
+def test_ring_is_reduce_scatter_plus_all_gather():
+    S, N, G = 1e6, 5, 2e-10
+    assert cm.ring_all_reduce(S, N, A, B, G) == pytest.approx(
+        cm.ring_reduce_scatter(S, N, A, B, G) + cm.ring_all_gather(S, N, A, B)
+    )
+
+
+def test_other_algorithms_match_their_textbook_formulas():
+    S, N = 1e6, 8
+    assert cm.recursive_doubling_all_reduce(S, N, A, B) == pytest.approx(3 * (A + S * B))
+    assert cm.halving_doubling_all_reduce(S, N, A, B) == pytest.approx(6 * A + 2 * 7 / 8 * S * B)
+    assert cm.tree_all_reduce(S, N, A, B) == pytest.approx(2 * 3 * (A + S * B))
+    assert cm.tree_all_reduce(S, N, A, B, chunks=4) == pytest.approx(2 * 6 * (A + S / 4 * B))
+
+
+def test_bucketing_pays_latency_per_bucket_and_bandwidth_once():
+    S, N = 100e6, 4
+    one, many = cm.bucketed_all_reduce(S, N, 1, A, B), cm.bucketed_all_reduce(S, N, 100, A, B)
+    assert many - one == pytest.approx(99 * 2 * (N - 1) * A)
+
+
+def test_bytes_moved_per_rank_are_the_exact_figures_not_o1():
+    S = 1000.0
+    assert cm.bytes_moved_per_rank("all_reduce", S, 4) == pytest.approx(1500.0)
+    assert cm.bytes_moved_per_rank("all_gather", S, 4) == pytest.approx(750.0)
+    assert cm.bytes_moved_per_rank("reduce_scatter", S, 1) == 0.0
+
+
+def test_pipeline_bubble():
+    assert cm.pipeline_bubble(2, 1) == pytest.approx(0.5)
+    assert cm.pipeline_bubble(4, 8) == pytest.approx(3 / 11)
+
+
+def test_projection_to_1024_ranks_ranks_the_algorithms():
+    rows = cm.project(256e6, [2, 1024], A, B)
+    big = rows[-1]
+    assert big["ranks"] == 1024
+    assert big["ring"] < big["naive"] / 100  # the root's link is the bottleneck
+    small_message = cm.project(8e3, [1024], A, B)[0]
+    assert small_message["tree"] < small_message["ring"]  # latency-bound: log N wins
+    assert math.isclose(rows[0]["naive"], cm.naive_all_reduce(256e6, 2, A, B))
