@@ -21,11 +21,13 @@ from .launcher import (
 )
 from .p2p import Link
 from .runtime import backend, device, is_main, local_rank, rank, world_size
+from .sharded import ShardedOptimizer
 from .timeline import Span, Timeline
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ShardedOptimizer",
     "Link",
     "p2p",
     "naive_all_reduce",

@@ -1,0 +1,124 @@
+"""ZeRO-1: shard the optimizer state across data-parallel ranks.
+
+Every rank keeps the whole model, but optimizer state (Adam's two moments are
+twice the model) only for its *shard*: one N-th of the flattened parameters.
+A step::
+
+    grads (full, per rank)  ──ReduceScatter(avg)──►  my shard of the averaged grad
+    my shard of the params  ──inner optimizer──────►  my updated shard
+    updated shards          ──AllGather───────────►  full updated params, every rank
+
+The bytes moved equal one AllReduce (ReduceScatter + AllGather = AllReduce),
+yet optimizer memory per rank falls from K·P to K·P/N. Results equal the
+unsharded optimizer's for elementwise optimizers (SGD, Adam, AdamW, ...);
+ones that use whole-tensor norms (LAMB, LARS) would see shard norms instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .collectives import chunk_bounds, ring_all_gather, ring_reduce_scatter
+
+
+class ShardedOptimizer:
+    """Wrap ``optimizer_cls`` so that each rank holds state for its shard of ``params`` only.
+
+    ``step()`` averages the gradients across ranks (ReduceScatter with "avg"),
+    updates this rank's shard, and all-gathers the parameters. All parameters
+    must share one dtype and device. ``param_groups`` is the inner optimizer's
+    (one group over the shard), so learning-rate changes work as usual.
+    """
+
+    def __init__(self, params, optimizer_cls, **kwargs):
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("ShardedOptimizer got no parameters that require grad")
+        kinds = {(p.dtype, p.device) for p in self.params}
+        if len(kinds) > 1:
+            raise TypeError(
+                f"all parameters must share one dtype and device, got {sorted(map(str, kinds))}"
+            )
+        self.world = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.numel = sum(p.numel() for p in self.params)
+        # pad so that every rank's shard has the same size (ReduceScatter's contract)
+        self.shard_numel = -(-self.numel // self.world)
+        self.padded = self.shard_numel * self.world
+        lo = self.rank * self.shard_numel
+        self.shard = torch.nn.Parameter(self._flat_params()[lo : lo + self.shard_numel].clone())
+        self.inner = optimizer_cls([self.shard], **kwargs)
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def _flat_params(self) -> torch.Tensor:
+        flat = torch.zeros(self.padded, dtype=self.params[0].dtype, device=self.params[0].device)
+        offset = 0
+        for p in self.params:
+            flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+            offset += p.numel()
+        return flat
+
+    def _flat_grads(self) -> torch.Tensor:
+        flat = torch.zeros(self.padded, dtype=self.params[0].dtype, device=self.params[0].device)
+        offset = 0
+        for p in self.params:
+            if p.grad is not None:  # a parameter unused this step contributes zeros
+                flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+            offset += p.numel()
+        return flat
+
+    @torch.no_grad()
+    def step(self) -> None:
+        grad_shard = torch.empty_like(self.shard)
+        ring_reduce_scatter(grad_shard, self._flat_grads(), op="avg")
+        self.shard.grad = grad_shard
+        self.inner.step()
+        full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
+        ring_all_gather(full, self.shard.detach())
+        offset = 0
+        for p in self.params:
+            p.copy_(full[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held on this rank (for this rank's shard only)."""
+        return sum(
+            t.numel() * t.element_size()
+            for s in self.inner.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        )
+
+    def memory_report(self) -> dict:
+        """Bytes per rank: parameters and gradients (whole), optimizer state (shard only)."""
+        p_bytes = self.numel * self.params[0].element_size()
+        state = self.state_bytes()
+        return {
+            "rank": self.rank,
+            "world_size": self.world,
+            "param_bytes": p_bytes,
+            "grad_bytes": p_bytes,
+            "optimizer_state_bytes": state,
+            # what every rank would hold without sharding
+            "unsharded_optimizer_state_bytes": state * self.world,
+        }
+
+    def shard_range(self) -> tuple[int, int]:
+        """[start, end) of this rank's shard in the flattened parameters (before padding ends)."""
+        lo, hi = chunk_bounds(self.padded, self.world)[self.rank]
+        return lo, min(hi, self.numel)
