@@ -5,7 +5,15 @@ Use in a notebook right after an exercise::
     ok.grading.check_ping_pong(ping_pong)
 """
 
+from .collectives import check_all_gather, check_all_reduce, check_reduce_scatter
 from .lab00 import check_fit_alpha_beta, check_ping_pong
 from .report import Report
 
-__all__ = ["Report", "check_ping_pong", "check_fit_alpha_beta"]
+__all__ = [
+    "Report",
+    "check_ping_pong",
+    "check_fit_alpha_beta",
+    "check_all_reduce",
+    "check_reduce_scatter",
+    "check_all_gather",
+]

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from dataclasses import dataclass, field
 
 import cloudpickle
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from .. import p2p
 from ..launcher import hide_frames_from
 
 P2P = ("send", "recv", "isend", "irecv")
@@ -33,6 +35,15 @@ COLLECTIVES = (
     "all_to_all_single",
     "gather",
     "scatter",
+)
+
+
+KIT_COLLECTIVES = (
+    "naive_all_reduce",
+    "ring_all_reduce",
+    "ring_reduce_scatter",
+    "ring_all_gather",
+    "bucketed_all_reduce",
 )
 
 
@@ -62,43 +73,79 @@ def _peer(args, kwargs, key) -> int:
     return -1 if value is None else int(value)
 
 
+_kit_call = threading.local()  # set while an ok.p2p call runs: its inner dist calls are not counted
+
+
 @contextlib.contextmanager
 def recording():
-    """Patch torch.distributed in this process; yields the :class:`Traffic` it fills."""
-    traffic = Traffic()
-    originals = {}
+    """Patch torch.distributed and ok.p2p in this process; yields the :class:`Traffic` it fills.
 
-    def wrap(name, original):
+    A learner's ``ok.p2p.isend`` counts as one message, not as the header and
+    data messages the kit sends for it.
+    """
+    traffic = Traffic()
+
+    def note(name, args, kwargs):
+        if name in ("send", "isend"):
+            traffic.sent.append(
+                (_peer(args, kwargs, "dst"), _nbytes(args[0] if args else kwargs["tensor"]))
+            )
+        elif name in ("recv", "irecv"):
+            traffic.received.append(
+                (_peer(args, kwargs, "src"), _nbytes(args[0] if args else kwargs["tensor"]))
+            )
+        else:
+            traffic.collectives.append(name)
+
+    def wrap_dist(name, original):
         @functools.wraps(original)
         def wrapper(*args, **kwargs):
-            if name in ("send", "isend"):
-                traffic.sent.append(
-                    (_peer(args, kwargs, "dst"), _nbytes(args[0] if args else kwargs["tensor"]))
-                )
-            elif name in ("recv", "irecv"):
-                traffic.received.append(
-                    (_peer(args, kwargs, "src"), _nbytes(args[0] if args else kwargs["tensor"]))
-                )
-            else:
-                traffic.collectives.append(name)
+            if not getattr(_kit_call, "active", False):
+                note(name, args, kwargs)
             return original(*args, **kwargs)
 
         return wrapper
 
+    def wrap_kit(name, original):
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            if getattr(_kit_call, "active", False):  # the kit calling itself (send -> isend)
+                return original(*args, **kwargs)
+            note(name, args, kwargs)
+            _kit_call.active = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _kit_call.active = False
+
+        return wrapper
+
+    patched = []  # (module, name, original)
     for name in P2P + COLLECTIVES:
         original = getattr(c10d, name, None)
-        if original is None:
-            continue
-        originals[name] = original
-        wrapped = wrap(name, original)
-        setattr(c10d, name, wrapped)
-        setattr(dist, name, wrapped)
+        if original is not None:
+            wrapped = wrap_dist(name, original)
+            for module in (c10d, dist):
+                patched.append((module, name, getattr(module, name)))
+                setattr(module, name, wrapped)
+    for name in P2P:
+        patched.append((p2p, name, getattr(p2p, name)))
+        setattr(p2p, name, wrap_kit(name, getattr(p2p, name)))
+    # the kit's reference collectives are built-ins too, for a from-scratch exercise
+    import overlapkit
+
+    from .. import collectives
+
+    for name in KIT_COLLECTIVES:
+        wrapped = wrap_kit(f"ok.{name}", getattr(collectives, name))
+        for module in (collectives, overlapkit):
+            patched.append((module, name, getattr(module, name)))
+            setattr(module, name, wrapped)
     try:
         yield traffic
     finally:
-        for name, original in originals.items():
-            setattr(c10d, name, original)
-            setattr(dist, name, original)
+        for module, name, original in reversed(patched):
+            setattr(module, name, original)
 
 
 def _recorded(fn_bytes: bytes, args, kwargs):

@@ -1,0 +1,163 @@
+"""The exercise checks pass a right answer and say precisely what is wrong with a wrong one."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import overlapkit as ok
+from overlapkit.grading import traffic
+
+pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
+
+
+def student_ring(tensor):
+    """A learner's ring AllReduce on raw dist.isend/irecv, uneven chunks handled."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    flat = tensor.view(-1)
+    bounds = ok.collectives.chunk_bounds(flat.numel(), world)
+    right, left = (me + 1) % world, (me - 1) % world
+    for k in range(world - 1):  # reduce-scatter
+        s, r = bounds[(me - k - 1) % world], bounds[(me - k - 2) % world]
+        tmp = torch.empty(r[1] - r[0])
+        reqs = [dist.isend(flat[s[0] : s[1]].clone(), right), dist.irecv(tmp, left)]
+        for q in reqs:
+            q.wait()
+        flat[r[0] : r[1]] += tmp
+    for k in range(world - 1):  # all-gather
+        s, r = bounds[(me - k) % world], bounds[(me - k - 1) % world]
+        tmp = torch.empty(r[1] - r[0])
+        reqs = [dist.isend(flat[s[0] : s[1]].clone(), right), dist.irecv(tmp, left)]
+        for q in reqs:
+            q.wait()
+        flat[r[0] : r[1]] = tmp
+
+
+def assumes_divisible(tensor):
+    """Chunks of numel // world: the last elements are never reduced when it does not divide."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    n = tensor.numel() // world
+    bounds = [(i * n, (i + 1) * n) for i in range(world)]
+    flat, right, left = tensor.view(-1), (me + 1) % world, (me - 1) % world
+    for k in range(world - 1):
+        s, r = bounds[(me - k - 1) % world], bounds[(me - k - 2) % world]
+        tmp = torch.empty(r[1] - r[0])
+        reqs = [dist.isend(flat[s[0] : s[1]].clone(), right), dist.irecv(tmp, left)]
+        for q in reqs:
+            q.wait()
+        flat[r[0] : r[1]] += tmp
+    for k in range(world - 1):
+        s, r = bounds[(me - k) % world], bounds[(me - k - 1) % world]
+        tmp = torch.empty(r[1] - r[0])
+        reqs = [dist.isend(flat[s[0] : s[1]].clone(), right), dist.irecv(tmp, left)]
+        for q in reqs:
+            q.wait()
+        flat[r[0] : r[1]] = tmp
+
+
+def uses_builtin(tensor):
+    dist.all_reduce(tensor)
+
+
+def uses_the_kit(tensor):
+    ok.ring_all_reduce(tensor, check=False)
+
+
+def returns_a_copy(tensor):
+    out = tensor.clone()
+    dist.all_reduce(out)
+    return out
+
+
+def blocking_sends_first(tensor):
+    """Everybody sends first with a blocking send: a deadlock for large enough messages."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    big = torch.zeros(8 << 20)
+    dist.send(big, (me + 1) % world)
+    dist.recv(big, (me - 1) % world)
+
+
+def not_done(tensor):
+    raise NotImplementedError
+
+
+def test_a_correct_from_scratch_ring_passes_on_2_3_and_4_ranks():
+    report = ok.grading.check_all_reduce(student_ring)
+    assert report.all_passed and report.total == 3, report.cases
+
+
+def test_a_ring_that_assumes_divisible_sizes_is_told_which_rank_and_chunk_differ():
+    report = ok.grading.check_all_reduce(assumes_divisible, world_sizes=(3,))
+    ((passed, message),) = report.cases
+    assert not passed
+    # 1 element over 3 ranks: every chunk is empty, so nothing is reduced at all
+    assert message.startswith(
+        "3 ranks, a tensor of 1 elements: rank 0, chunk 0 (elements 0-0) differs first at element 0"
+    )
+
+
+def test_calling_a_built_in_or_the_kit_collective_fails_a_from_scratch_exercise():
+    for fn, called in ((uses_builtin, "all_reduce"), (uses_the_kit, "ok.ring_all_reduce")):
+        report = ok.grading.check_all_reduce(fn, world_sizes=(2,))
+        assert report.cases == [
+            (False, f"rank 0 called {called}: build it from send/recv (isend/irecv) only")
+        ]
+    assert ok.grading.check_all_reduce(
+        uses_builtin, from_scratch=False, world_sizes=(2,)
+    ).all_passed
+
+
+def test_a_result_returned_instead_of_written_in_place_gets_a_hint():
+    report = ok.grading.check_all_reduce(returns_a_copy, from_scratch=False, world_sizes=(2,))
+    assert "the operation must be in place" in report.cases[0][1]
+
+
+def test_a_deadlocking_attempt_is_stopped_and_located():
+    start = time.monotonic()
+    report = ok.grading.check_all_reduce(blocking_sends_first, world_sizes=(2,), timeout=3)
+    assert time.monotonic() - start < 15
+    ((passed, message),) = report.cases
+    assert not passed and "did not finish within 3 s" in message
+    assert "dist.send(big, (me + 1) % world)" in message
+
+
+def test_an_unfinished_exercise_is_reported_as_not_implemented():
+    report = ok.grading.check_all_reduce(not_done)
+    assert report.cases == [
+        (
+            False,
+            "not_done on 2 ranks: not implemented yet "
+            "(the function still raises NotImplementedError)",
+        )
+    ]
+
+
+def test_reduce_scatter_and_all_gather_checks_accept_the_kit_and_reject_a_shifted_answer():
+    assert ok.grading.check_reduce_scatter(ok.ring_reduce_scatter, from_scratch=False).all_passed
+    assert ok.grading.check_all_gather(ok.ring_all_gather, from_scratch=False).all_passed
+
+    def off_by_one_rank(output, input):
+        ok.ring_all_gather(output, input, check=False)
+        output.copy_(output.roll(1))
+
+    report = ok.grading.check_all_gather(off_by_one_rank, from_scratch=False, world_sizes=(3,))
+    assert "rank 0, chunk 0" in report.cases[0][1] and "expected" in report.cases[0][1]
+
+
+def test_recording_counts_a_kit_message_once_and_restores_everything():
+    before = (dist.isend, ok.p2p.isend, ok.ring_all_reduce)
+
+    def send_one():
+        with traffic.recording() as seen:
+            if ok.rank() == 0:
+                ok.p2p.send(torch.zeros(10), 1)
+            else:
+                ok.p2p.recv(torch.zeros(10), 0)
+        return seen.sent, seen.received
+
+    (sent0, recv0), (sent1, recv1) = ok.launch(send_one, world_size=2, link=ok.Link(10, 1))
+    assert sent0 == [(1, 40)] and recv1 == [(0, 40)] and recv0 == [] and sent1 == []
+    assert (dist.isend, ok.p2p.isend, ok.ring_all_reduce) == before
