@@ -3,7 +3,7 @@
 Conventional import: ``import overlapkit as ok``.
 """
 
-from . import costmodel, grading, p2p, pingpong
+from . import builtin, costmodel, diagrams, grading, p2p, pingpong
 from .collectives import (
     CollectiveMismatchError,
     bucketed_all_reduce,
@@ -36,7 +36,9 @@ __all__ = [
     "ring_all_reduce",
     "bucketed_all_reduce",
     "CollectiveMismatchError",
+    "builtin",
     "costmodel",
+    "diagrams",
     "grading",
     "pingpong",
     "launch",

@@ -161,3 +161,16 @@ def test_recording_counts_a_kit_message_once_and_restores_everything():
     (sent0, recv0), (sent1, recv1) = ok.launch(send_one, world_size=2, link=ok.Link(10, 1))
     assert sent0 == [(1, 40)] and recv1 == [(0, 40)] and recv0 == [] and sent1 == []
     assert (dist.isend, ok.p2p.isend, ok.ring_all_reduce) == before
+
+
+def test_bytes_check_tells_total_from_per_rank_and_chunk_from_tensor():
+    def total(collective, nbytes, world):
+        return ok.costmodel.bytes_moved_per_rank(collective, nbytes, world) * world
+
+    def whole_tensor_each_step(collective, nbytes, world):
+        return nbytes * (world - 1)
+
+    messages = [m for _, m in ok.grading.check_bytes_moved(total).cases]
+    assert "That is the total over all ranks; the question is per rank." in messages[0]
+    messages = [m for _, m in ok.grading.check_bytes_moved(whole_tensor_each_step).cases]
+    assert "Each step moves one chunk of S/N bytes, not the whole tensor." in messages[0]

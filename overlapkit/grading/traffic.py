@@ -27,8 +27,10 @@ COLLECTIVES = (
     "all_reduce",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_single",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "reduce_scatter_single",
     "broadcast",
     "reduce",
     "all_to_all",
@@ -77,11 +79,13 @@ _kit_call = threading.local()  # set while an ok.p2p call runs: its inner dist c
 
 
 @contextlib.contextmanager
-def recording():
+def recording(kit_collectives_are_builtins: bool = True):
     """Patch torch.distributed and ok.p2p in this process; yields the :class:`Traffic` it fills.
 
     A learner's ``ok.p2p.isend`` counts as one message, not as the header and
-    data messages the kit sends for it.
+    data messages the kit sends for it. A call of the kit's own collectives
+    (``ok.ring_all_reduce``, ...) counts as a built-in collective, unless
+    ``kit_collectives_are_builtins=False``: then the messages it sends count.
     """
     traffic = Traffic()
 
@@ -136,7 +140,7 @@ def recording():
 
     from .. import collectives
 
-    for name in KIT_COLLECTIVES:
+    for name in KIT_COLLECTIVES if kit_collectives_are_builtins else ():
         wrapped = wrap_kit(f"ok.{name}", getattr(collectives, name))
         for module in (collectives, overlapkit):
             patched.append((module, name, getattr(module, name)))
