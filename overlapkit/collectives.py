@@ -15,6 +15,7 @@ send while its neighbour blocks in a send too, whatever the message size.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import queue
 import threading
 
@@ -121,6 +122,13 @@ def check_same_everywhere(
     )
 
 
+def _spans(timeline):
+    """``timeline.span`` when a timeline is given, else a do-nothing context."""
+    if timeline is None:
+        return lambda name, lane: contextlib.nullcontext()
+    return timeline.span
+
+
 # --------------------------------------------------------------------------- async worker
 
 
@@ -200,7 +208,9 @@ def _run(fn, async_op: bool):
 # --------------------------------------------------------------------------- naive
 
 
-def naive_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, check: bool = True) -> None:
+def naive_all_reduce(
+    tensor: torch.Tensor, op: str = "sum", group=None, check: bool = True, timeline=None
+) -> None:
     """Master–worker AllReduce, in place: everybody sends to rank 0, which reduces and sends back.
 
     ::
@@ -211,7 +221,9 @@ def naive_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, check: b
 
     Rank 0 receives N−1 messages and sends N−1: its link carries 2(N−1)·S bytes
     while the others carry 2·S. The root is the bottleneck, and it grows with N.
+    ``timeline`` (an ``ok.Timeline``) records each phase as a span.
     """
+    span = _spans(timeline)
     _check_op(op)
     me, world = dist.get_rank(group), dist.get_world_size(group)
     if check:
@@ -224,14 +236,19 @@ def naive_all_reduce(tensor: torch.Tensor, op: str = "sum", group=None, check: b
     if me == 0:
         others = [r if group is None else dist.get_global_rank(group, r) for r in range(1, world)]
         bufs = [torch.empty_like(flat) for _ in others]
-        p2p.wait_all([p2p.irecv(b, src, group) for b, src in zip(bufs, others, strict=True)])
-        for b in bufs:
-            reduce_into(flat, b, op)
-        finish(flat, op, world)
-        p2p.wait_all([p2p.isend(flat, dst, group) for dst in others])
+        with span("gather from all", "comm"):
+            p2p.wait_all([p2p.irecv(b, src, group) for b, src in zip(bufs, others, strict=True)])
+        with span("reduce", "compute"):
+            for b in bufs:
+                reduce_into(flat, b, op)
+            finish(flat, op, world)
+        with span("send to all", "comm"):
+            p2p.wait_all([p2p.isend(flat, dst, group) for dst in others])
     else:
-        p2p.send(flat, root, group)
-        p2p.recv(flat, root, group)
+        with span("send to root", "comm"):
+            p2p.send(flat, root, group)
+        with span("wait for result", "comm"):
+            p2p.recv(flat, root, group)
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))
 
@@ -260,7 +277,7 @@ def _pieces(lo: int, hi: int, element_size: int) -> list[tuple[int, int]]:
     return [(lo + a, lo + b) for a, b in chunk_bounds(hi - lo, n) if b > a]
 
 
-def _ring_reduce_scatter_flat(acc: torch.Tensor, bounds, op: str, group) -> None:
+def _ring_reduce_scatter_flat(acc: torch.Tensor, bounds, op: str, group, span=None) -> None:
     """Reduce ``acc`` around the ring so that chunk ``me`` ends fully reduced on rank ``me``.
 
     Step k, rank r: send chunk (r−k−1), receive chunk (r−k−2) and reduce it in.
@@ -276,37 +293,41 @@ def _ring_reduce_scatter_flat(acc: torch.Tensor, bounds, op: str, group) -> None
     me, world, left, right = _ring(group)
     tmp = _scratch_buffer(max(e - s for s, e in bounds), acc)
     size = acc.element_size()
+    span = span or _spans(None)
     for k in range(world - 1):
         s_lo, s_hi = bounds[(me - k - 1) % world]
         r_lo, r_hi = bounds[(me - k - 2) % world]
-        # both ends know the bounds, so both skip an empty chunk
-        sends = [p2p.isend(acc[a:b], right, group) for a, b in _pieces(s_lo, s_hi, size)]
-        recvs = [
-            (a, b, p2p.irecv(tmp[a - r_lo : b - r_lo], left, group))
-            for a, b in _pieces(r_lo, r_hi, size)
-        ]
-        for a, b, handle in recvs:
-            handle.wait()
-            reduce_into(acc[a:b], tmp[a - r_lo : b - r_lo], op)
-        p2p.wait_all(sends)
+        with span(f"RS step {k}", "comm"):
+            # both ends know the bounds, so both skip an empty chunk
+            sends = [p2p.isend(acc[a:b], right, group) for a, b in _pieces(s_lo, s_hi, size)]
+            recvs = [
+                (a, b, p2p.irecv(tmp[a - r_lo : b - r_lo], left, group))
+                for a, b in _pieces(r_lo, r_hi, size)
+            ]
+            for a, b, handle in recvs:
+                handle.wait()
+                reduce_into(acc[a:b], tmp[a - r_lo : b - r_lo], op)
+            p2p.wait_all(sends)
 
 
-def _ring_all_gather_flat(buf: torch.Tensor, bounds, group) -> None:
+def _ring_all_gather_flat(buf: torch.Tensor, bounds, group, span=None) -> None:
     """Pass chunks around the ring until every rank holds all of them.
 
     Step k, rank r: send chunk (r−k), receive chunk (r−k−1) straight into place.
     Each rank receives (N−1)/N·S bytes in N−1 steps.
     """
     me, world, left, right = _ring(group)
+    span = span or _spans(None)
     for k in range(world - 1):
         s_lo, s_hi = bounds[(me - k) % world]
         r_lo, r_hi = bounds[(me - k - 1) % world]
-        handles = []
-        if s_hi > s_lo:
-            handles.append(p2p.isend(buf[s_lo:s_hi], right, group))
-        if r_hi > r_lo:
-            handles.append(p2p.irecv(buf[r_lo:r_hi], left, group))
-        p2p.wait_all(handles)
+        with span(f"AG step {k}", "comm"):
+            handles = []
+            if s_hi > s_lo:
+                handles.append(p2p.isend(buf[s_lo:s_hi], right, group))
+            if r_hi > r_lo:
+                handles.append(p2p.irecv(buf[r_lo:r_hi], left, group))
+            p2p.wait_all(handles)
 
 
 def ring_reduce_scatter(
@@ -390,7 +411,12 @@ def ring_all_gather(
 
 
 def ring_all_reduce(
-    tensor: torch.Tensor, op: str = "sum", group=None, async_op: bool = False, check: bool = True
+    tensor: torch.Tensor,
+    op: str = "sum",
+    group=None,
+    async_op: bool = False,
+    check: bool = True,
+    timeline=None,
 ):
     """Ring AllReduce, in place: ring ReduceScatter, then ring AllGather.
 
@@ -403,6 +429,7 @@ def ring_all_reduce(
     Each rank sends and receives 2(N−1)/N·S bytes — bounded as N grows, but
     never zero — in 2(N−1) steps, each paying a latency α. Sizes need not
     divide by N: chunks differ by at most one element, and may be empty.
+    ``timeline`` (an ``ok.Timeline``) records each step as a span.
     """
     _check_op(op)
 
@@ -412,10 +439,11 @@ def ring_all_reduce(
             check_same_everywhere("ring_all_reduce", tensor, op, group)
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         bounds = chunk_bounds(flat.numel(), world)
-        _ring_reduce_scatter_flat(flat, bounds, op, group)
+        span = _spans(timeline)
+        _ring_reduce_scatter_flat(flat, bounds, op, group, span)
         lo, hi = bounds[dist.get_rank(group)]
         finish(flat[lo:hi], op, world)
-        _ring_all_gather_flat(flat, bounds, group)
+        _ring_all_gather_flat(flat, bounds, group, span)
         if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
             tensor.copy_(flat.view_as(tensor))
 

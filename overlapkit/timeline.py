@@ -287,9 +287,11 @@ class Timeline:
         labels: bool = True,
         t0: float | None = None,
         legend: bool = True,
+        metrics: bool = True,
     ):
         """Draw one row per (rank, lane); communication hidden under compute is hatched.
 
+        ``metrics=False`` leaves the overlap figures out of the title.
         Returns the matplotlib Figure. Times are milliseconds from ``t0``
         (default: the earliest span), so timelines drawn side by side share
         an origin when given the same ``t0``.
@@ -351,12 +353,14 @@ class Timeline:
         ax.set_xlabel("time (ms)")
         ax.grid(axis="x", alpha=0.3)
         ratio, hidden = self.overlap_ratio(), self.hidden_fraction()
-        metrics = (
+        summary = (
             f"overlap ratio {ratio:.2f} · comm hidden {hidden:.0%}"
             if ratio is not None
             else "no communication recorded"
         )
-        ax.set_title(f"{title} — {metrics}" if title else metrics, fontsize=10)
+        if not metrics:  # e.g. a collective's own timeline, where overlap is not the point
+            summary = ""
+        ax.set_title(" — ".join(t for t in (title, summary) if t), fontsize=10)
         if not legend:
             fig.tight_layout()
             return fig

@@ -171,3 +171,9 @@ def test_cuda_spans_land_on_the_host_clock():
     after = tl.now()
     (span,) = tl.select()
     assert before <= span.start < span.end <= after + 1e-3
+
+
+def test_plot_can_leave_the_overlap_figures_out_of_the_title():
+    tl = make([("bwd", 0, 1, COMPUTE), ("ar", 0.5, 1.5, COMM)])
+    assert tl.plot(title="naive", metrics=False).axes[0].get_title() == "naive"
+    assert tl.plot(metrics=False).axes[0].get_title() == ""
