@@ -105,16 +105,23 @@ def halving_doubling_all_reduce(
 
 
 def tree_all_reduce(
-    S: float, N: int, alpha: float, beta: float, gamma: float = 0.0, chunks: int = 1
+    S: float, N: int, alpha: float, beta: float, gamma: float = 0.0, chunks: int | None = None
 ) -> float:
     """Reduce up a binary tree, broadcast down it, the vector cut into ``chunks`` pipelined pieces.
 
-    Depth d = ⌈log₂N⌉; each direction takes (d + chunks − 1) steps of a piece
-    S/chunks: 2·(d + k − 1)·(α + S/k·β) + (d + k − 1)·S/k·γ.
+    Depth d = ⌈log₂N⌉; each direction takes (d + k − 1) steps of a piece S/k:
+    2·(d + k − 1)·(α + S/k·β) + (d + k − 1)·S/k·γ. ``chunks=None`` uses the
+    best k, √((d − 1)·S·β / α) rounded, as a tuned library would; ``chunks=1``
+    is the unpipelined tree.
     """
     if N == 1:
         return 0.0
-    depth, k = math.ceil(math.log2(N)), max(1, chunks)
+    depth = math.ceil(math.log2(N))
+    if chunks is None:
+        best = math.sqrt((depth - 1) * S * beta / alpha) if alpha > 0 else float(depth)
+        candidates = {max(1, math.floor(best)), max(1, math.ceil(best))}
+        return min(tree_all_reduce(S, N, alpha, beta, gamma, k) for k in candidates)
+    k = max(1, chunks)
     steps = depth + k - 1
     return 2 * steps * (alpha + S / k * beta) + steps * S / k * gamma
 

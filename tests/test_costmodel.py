@@ -53,7 +53,7 @@ def test_other_algorithms_match_their_textbook_formulas():
     S, N = 1e6, 8
     assert cm.recursive_doubling_all_reduce(S, N, A, B) == pytest.approx(3 * (A + S * B))
     assert cm.halving_doubling_all_reduce(S, N, A, B) == pytest.approx(6 * A + 2 * 7 / 8 * S * B)
-    assert cm.tree_all_reduce(S, N, A, B) == pytest.approx(2 * 3 * (A + S * B))
+    assert cm.tree_all_reduce(S, N, A, B, chunks=1) == pytest.approx(2 * 3 * (A + S * B))
     assert cm.tree_all_reduce(S, N, A, B, chunks=4) == pytest.approx(2 * 6 * (A + S / 4 * B))
 
 
@@ -83,3 +83,10 @@ def test_projection_to_1024_ranks_ranks_the_algorithms():
     small_message = cm.project(8e3, [1024], A, B)[0]
     assert small_message["tree"] < small_message["ring"]  # latency-bound: log N wins
     assert math.isclose(rows[0]["naive"], cm.naive_all_reduce(256e6, 2, A, B))
+
+
+def test_default_tree_is_pipelined_with_the_best_piece_count():
+    S, N = 256e6, 1024
+    best = cm.tree_all_reduce(S, N, A, B)
+    assert best == min(cm.tree_all_reduce(S, N, A, B, chunks=k) for k in range(1, 2000))
+    assert best < cm.tree_all_reduce(S, N, A, B, chunks=1) / 5
