@@ -174,3 +174,34 @@ def test_bytes_check_tells_total_from_per_rank_and_chunk_from_tensor():
     assert "That is the total over all ranks; the question is per rank." in messages[0]
     messages = [m for _, m in ok.grading.check_bytes_moved(whole_tensor_each_step).cases]
     assert "Each step moves one chunk of S/N bytes, not the whole tensor." in messages[0]
+
+
+def zero1_right(flat_params, flat_grads, shard, optimizer):
+    grad = torch.empty_like(shard)
+    ok.ring_reduce_scatter(grad, flat_grads, op="avg")
+    shard.grad = grad
+    optimizer.step()
+    ok.ring_all_gather(flat_params, shard.detach())
+
+
+def zero1_sums(flat_params, flat_grads, shard, optimizer):
+    grad = torch.empty_like(shard)
+    ok.ring_reduce_scatter(grad, flat_grads)  # sum, not average
+    shard.grad = grad
+    optimizer.step()
+    ok.ring_all_gather(flat_params, shard.detach())
+
+
+def zero1_forgets_to_gather(flat_params, flat_grads, shard, optimizer):
+    grad = torch.empty_like(shard)
+    ok.ring_reduce_scatter(grad, flat_grads, op="avg")
+    shard.grad = grad
+    optimizer.step()
+
+
+def test_zero1_check_passes_a_right_step_and_locates_wrong_ones():
+    assert ok.grading.check_zero1_step(zero1_right).all_passed
+    (passed, message), _ = ok.grading.check_zero1_step(zero1_sums).cases
+    assert not passed and message.startswith("after step ")
+    (passed, message), _ = ok.grading.check_zero1_step(zero1_forgets_to_gather).cases
+    assert not passed and "all-gather every rank's updated shard" in message

@@ -8,6 +8,7 @@ Use in a notebook right after an exercise::
 from .collectives import check_all_gather, check_all_reduce, check_reduce_scatter
 from .lab00 import check_fit_alpha_beta, check_ping_pong
 from .lab01 import check_bytes_moved
+from .lab04 import check_zero1_step
 from .report import Report
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "check_reduce_scatter",
     "check_all_gather",
     "check_bytes_moved",
+    "check_zero1_step",
 ]

@@ -1,0 +1,113 @@
+"""Checks for lab 04: one ZeRO-1 optimizer step built from ReduceScatter and AllGather."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .common import run_or_report
+from .report import Report
+
+STEPS = 10
+
+
+def _model():
+    torch.manual_seed(0)  # the same model on every rank
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+
+
+def _flat(tensors, padded):
+    out = torch.zeros(padded)
+    offset = 0
+    for t in tensors:
+        out[offset : offset + t.numel()] = t.detach().reshape(-1)
+        offset += t.numel()
+    return out
+
+
+def _run(zero1_step):
+    import overlapkit as ok
+
+    me, world = ok.rank(), ok.world_size()
+    model, reference = _model(), _model()
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    shard_numel = -(-numel // world)
+    padded = shard_numel * world
+    flat_params = _flat(params, padded)
+    shard = torch.nn.Parameter(flat_params[me * shard_numel : (me + 1) * shard_numel].clone())
+    # SGD with momentum, not Adam: Adam ignores the scale of the gradient, so it
+    # could not tell a summed gradient from an averaged one
+    optimizer = torch.optim.SGD([shard], lr=0.05, momentum=0.9)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(10 + me)
+    trace = []
+    for _ in range(STEPS):
+        x, y = torch.randn(4, 5, generator=gen), torch.randn(4, 3, generator=gen)
+        # the learner's model is the flat vector: load it, backward, flatten the grads
+        offset = 0
+        for p in params:
+            p.data.copy_(flat_params[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        flat_grads = _flat([p.grad for p in params], padded)
+        for p in params:
+            p.grad = None
+        with torch.no_grad():
+            zero1_step(flat_params, flat_grads, shard, optimizer)
+        # the unsharded baseline: average the gradients, step Adam on everything
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        for p in reference.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        plain.step()
+        plain.zero_grad()
+        trace.append(
+            (flat_params[:numel].clone(), _flat(list(reference.parameters()), padded)[:numel])
+        )
+    state = sum(t.numel() for s in optimizer.state.values() for t in s.values() if t.dim() > 0)
+    return trace, state, numel, shard_numel
+
+
+def check_zero1_step(zero1_step, world_size: int = 3, timeout: float = 60.0) -> Report:
+    """Check ``zero1_step(flat_params, flat_grads, shard, optimizer)`` against the unsharded step.
+
+    Over 10 steps on ``world_size`` ranks (SGD with momentum), every rank's full
+    parameter vector must match the unsharded optimizer on the averaged
+    gradients, and each rank's optimizer state must cover its shard only.
+    """
+    report = Report("zero1_step")
+    results = run_or_report(report, f"zero1_step on {world_size} ranks", _run, zero1_step,
+                            world_size=world_size, timeout=timeout)  # fmt: skip
+    if results is None:
+        return report
+    worst = None
+    for rank, ((trace, _, _, shard_numel), _) in enumerate(results):
+        for step, (got, want) in enumerate(trace, start=1):
+            diff = (got - want).abs()
+            if diff.max() > 1e-5:
+                i = int(diff.argmax())
+                worst = (rank, step, i, i // shard_numel, want[i].item(), got[i].item())
+                break
+        if worst:
+            break
+    if worst:
+        rank, step, i, owner, want, got = worst
+        report.fail(
+            f"after step {step}, rank {rank}'s parameter {i} (in rank {owner}'s shard) "
+            f"is {got:.6g}; unsharded SGD on the averaged gradients gives {want:.6g}. "
+            "Did you average (op='avg') and all-gather every rank's updated shard?"
+        )
+    else:
+        report.ok(
+            f"{STEPS} steps on {world_size} ranks: every rank matches the unsharded optimizer"
+        )
+    states = [r[0][1] for r in results]
+    numel, shard_numel = results[0][0][2], results[0][0][3]
+    if all(s == shard_numel for s in states):
+        report.ok(f"each rank holds momentum for its shard only: {shard_numel} of {numel} values")
+    else:
+        report.fail(
+            f"optimizer state per rank is {states} values; expected {shard_numel} (the shard)"
+        )
+    return report
