@@ -330,6 +330,21 @@ def _ring_all_gather_flat(buf: torch.Tensor, bounds, group, span=None) -> None:
             p2p.wait_all(handles)
 
 
+def _check_sharded_pair(name: str, full, shard, world: int) -> None:
+    """The full tensor must hold world × the shard's elements, in the same dtype."""
+    (full_name, full_t), (shard_name, shard_t) = full, shard
+    if full_t.numel() != world * shard_t.numel():
+        raise ValueError(
+            f"{name} on rank {dist.get_rank()}: {full_name} has {full_t.numel()} elements, "
+            f"expected world_size × {shard_name} = {world} × {shard_t.numel()} = "
+            f"{world * shard_t.numel()}"
+        )
+    if full_t.dtype != shard_t.dtype:
+        raise TypeError(
+            f"{name}: {full_name} is {full_t.dtype} but {shard_name} is {shard_t.dtype}"
+        )
+
+
 def ring_reduce_scatter(
     output: torch.Tensor, input: torch.Tensor, op: str = "sum", group=None, async_op: bool = False,
     check: bool = True,
@@ -345,13 +360,7 @@ def ring_reduce_scatter(
     """
     _check_op(op)
     world = dist.get_world_size(group)
-    if input.numel() != world * output.numel():
-        raise ValueError(
-            f"ring_reduce_scatter on rank {dist.get_rank()}: input has {input.numel()} elements, "
-            f"expected world_size × output = {world} × {output.numel()} = {world * output.numel()}"
-        )
-    if input.dtype != output.dtype:
-        raise TypeError(f"ring_reduce_scatter: input is {input.dtype} but output is {output.dtype}")
+    _check_sharded_pair("ring_reduce_scatter", ("input", input), ("output", output), world)
 
     def run():
         if check:
@@ -383,13 +392,7 @@ def ring_all_gather(
         after:   r0 [a b c d]  r1 [a b c d]  r2 [a b c d]  r3 [a b c d]
     """
     world = dist.get_world_size(group)
-    if output.numel() != world * input.numel():
-        raise ValueError(
-            f"ring_all_gather on rank {dist.get_rank()}: output has {output.numel()} elements, "
-            f"expected world_size × input = {world} × {input.numel()} = {world * input.numel()}"
-        )
-    if input.dtype != output.dtype:
-        raise TypeError(f"ring_all_gather: input is {input.dtype} but output is {output.dtype}")
+    _check_sharded_pair("ring_all_gather", ("output", output), ("input", input), world)
 
     def run():
         if check:

@@ -309,5 +309,5 @@ def test_output_input_size_mismatch_and_unknown_ops_are_rejected_locally():
     errors = ok.launch(_bad_shapes, world_size=2)[0]
     assert "input has 10 elements, expected world_size × output = 2 × 3 = 6" in errors[0]
     assert "output has 10 elements, expected world_size × input = 2 × 3 = 6" in errors[1]
-    assert "input is torch.int64 but output is torch.float32" in errors[2]
+    assert "output is torch.float32 but input is torch.int64" in errors[2]
     assert "unknown op 'mean': expected one of sum, avg, max, min, product" in errors[3]

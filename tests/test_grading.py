@@ -14,48 +14,36 @@ from overlapkit.grading import traffic
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 
 
-def student_ring(tensor):
-    """A learner's ring AllReduce on raw dist.isend/irecv, uneven chunks handled."""
+def _ring_over(tensor, bounds):
+    """A learner-style ring AllReduce on raw dist.isend/irecv over the given chunk bounds."""
     me, world = dist.get_rank(), dist.get_world_size()
-    flat = tensor.view(-1)
-    bounds = ok.collectives.chunk_bounds(flat.numel(), world)
-    right, left = (me + 1) % world, (me - 1) % world
+    flat, right, left = tensor.view(-1), (me + 1) % world, (me - 1) % world
+
+    def step(send, recv):
+        tmp = torch.empty(recv[1] - recv[0])
+        reqs = [dist.isend(flat[send[0] : send[1]].clone(), right), dist.irecv(tmp, left)]
+        for q in reqs:
+            q.wait()
+        return tmp
+
     for k in range(world - 1):  # reduce-scatter
-        s, r = bounds[(me - k - 1) % world], bounds[(me - k - 2) % world]
-        tmp = torch.empty(r[1] - r[0])
-        reqs = [dist.isend(flat[s[0] : s[1]].clone(), right), dist.irecv(tmp, left)]
-        for q in reqs:
-            q.wait()
-        flat[r[0] : r[1]] += tmp
+        recv = bounds[(me - k - 2) % world]
+        flat[recv[0] : recv[1]] += step(bounds[(me - k - 1) % world], recv)
     for k in range(world - 1):  # all-gather
-        s, r = bounds[(me - k) % world], bounds[(me - k - 1) % world]
-        tmp = torch.empty(r[1] - r[0])
-        reqs = [dist.isend(flat[s[0] : s[1]].clone(), right), dist.irecv(tmp, left)]
-        for q in reqs:
-            q.wait()
-        flat[r[0] : r[1]] = tmp
+        recv = bounds[(me - k - 1) % world]
+        flat[recv[0] : recv[1]] = step(bounds[(me - k) % world], recv)
+
+
+def student_ring(tensor):
+    """Uneven chunks handled: sizes differ by at most one element."""
+    _ring_over(tensor, ok.collectives.chunk_bounds(tensor.numel(), dist.get_world_size()))
 
 
 def assumes_divisible(tensor):
     """Chunks of numel // world: the last elements are never reduced when it does not divide."""
-    me, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     n = tensor.numel() // world
-    bounds = [(i * n, (i + 1) * n) for i in range(world)]
-    flat, right, left = tensor.view(-1), (me + 1) % world, (me - 1) % world
-    for k in range(world - 1):
-        s, r = bounds[(me - k - 1) % world], bounds[(me - k - 2) % world]
-        tmp = torch.empty(r[1] - r[0])
-        reqs = [dist.isend(flat[s[0] : s[1]].clone(), right), dist.irecv(tmp, left)]
-        for q in reqs:
-            q.wait()
-        flat[r[0] : r[1]] += tmp
-    for k in range(world - 1):
-        s, r = bounds[(me - k) % world], bounds[(me - k - 1) % world]
-        tmp = torch.empty(r[1] - r[0])
-        reqs = [dist.isend(flat[s[0] : s[1]].clone(), right), dist.irecv(tmp, left)]
-        for q in reqs:
-            q.wait()
-        flat[r[0] : r[1]] = tmp
+    _ring_over(tensor, [(i * n, (i + 1) * n) for i in range(world)])
 
 
 def uses_builtin(tensor):
