@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .collectives import chunk_bounds, ring_all_gather, ring_reduce_scatter
+from .collectives import ring_all_gather, ring_reduce_scatter
 
 
 class ShardedOptimizer:
@@ -117,8 +117,3 @@ class ShardedOptimizer:
             # what every rank would hold without sharding
             "unsharded_optimizer_state_bytes": state * self.world,
         }
-
-    def shard_range(self) -> tuple[int, int]:
-        """[start, end) of this rank's shard in the flattened parameters (before padding ends)."""
-        lo, hi = chunk_bounds(self.padded, self.world)[self.rank]
-        return lo, min(hi, self.numel)
