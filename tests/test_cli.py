@@ -136,6 +136,7 @@ def test_bench_collectives_reports_busbw_ratios_and_model_columns(tmp_path):
               "--reps", "2", "--link", "100,0.2", "--json", str(linked))  # fmt: skip
     assert "Link(100 µs, 0.2 GB/s): fitted from a ping-pong over it" in out
     data = json.loads(linked.read_text())
+    assert data["meta"]["fitted"]["loopback_gbps"] > 0  # the machine's own transport, same run
     assert [r["algorithm"] for r in data["rows"]] == ["naive", "ring"]
     for r in data["rows"]:
         # the emulated link is a lower bound on the ring: 2(N−1)·(α + S/N·β)

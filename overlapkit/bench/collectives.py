@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from .. import collectives, costmodel, pingpong, runtime
+from .. import collectives, costmodel, p2p, pingpong, runtime
 from ..launcher import launch
 from .table import format_table, write
 
@@ -81,6 +81,24 @@ def _fit_link(sizes) -> tuple[float, float, float]:
     return alpha, beta, gamma
 
 
+def _loopback_gbps(nbytes: int = 4 << 20, reps: int = 5) -> float | None:
+    """This machine's own transport, no link: GB/s per direction while two ranks exchange
+    4 MiB both ways at once — the traffic of a ring step."""
+    peer = 1 - runtime.rank()
+    out, into = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(reps + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        p2p.wait_all([p2p.isend(out, peer), p2p.irecv(into, peer)])
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times[1:]) / 1e9 if runtime.rank() == 0 else None
+
+
+#: the emulation is faithful when the machine's own transport is at least this much faster
+HEADROOM = 2.0
+
+
 def parse_size(text: str) -> int:
     units = {"K": 2**10, "M": 2**20, "G": 2**30}
     text = text.strip().upper().removesuffix("B")
@@ -116,6 +134,16 @@ def run(
             f"1/β = {costmodel.bandwidth_gbps(fitted['b']):.3f} GB/s; "
             f"reduction γ = {fitted['g'] * 1e9:.3f} ns/byte"
         )
+        real = launch(_loopback_gbps, world_size=2, quiet=True)[0]
+        fitted["loopback_gbps"] = real
+        if link.bandwidth_gbps * HEADROOM > real:
+            print(
+                f"note: this machine's own transport moves about {real:.2f} GB/s each way when two "
+                f"ranks exchange at once (less with more ranks). A {link.bandwidth_gbps:g} GB/s "
+                f"link is not {HEADROOM:g}x slower than that, so the real copies, not the link, "
+                "bound the times below. Emulate a slower link for faithful figures, "
+                "e.g. --link 100,0.25."
+            )
     rows = []
     combos = [(w, s) for w in world_sizes for s in sizes]
     for world, nbytes in tqdm(combos, desc="bench collectives", unit="size", file=sys.stderr):
