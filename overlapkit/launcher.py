@@ -201,7 +201,7 @@ def launch(
     except Exception as exc:
         raise LaunchError(
             f"could not send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: "
-            f"{exc}. Arguments must be picklable (no open files, locks or live process groups)."
+            f"{exc}. Arguments must be picklable (no locks, sockets or live process groups)."
         ) from exc
 
     workdir = tempfile.mkdtemp(prefix="overlapkit-")
@@ -217,13 +217,19 @@ def launch(
         link=link,
     )
     ranks = _Ranks(spec)
+    interrupted = False
     try:
         ranks.start()
         outcome = ranks.wait(timeout)
+    except BaseException:  # KeyboardInterrupt from the kernel, above all
+        interrupted = True
+        raise
     finally:
         ranks.stop()
         logs = [_read(_rank.log_path(workdir, r)) for r in range(world_size)]
         shutil.rmtree(workdir, ignore_errors=True)
+        if interrupted and not quiet:  # what the ranks printed before the interrupt
+            print_rank_output(logs)
 
     if outcome.timed_out:
         stacks = {r: _where_hung(logs[r]) for r in outcome.running}

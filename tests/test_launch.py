@@ -321,6 +321,7 @@ def test_interrupt_kills_every_rank(tmp_path):
             import overlapkit as ok
             def hang():
                 print("pid", os.getpid(), flush=True)
+                print("about to wait", flush=True)
                 time.sleep(600)
             try:
                 ok.launch(hang, world_size=3, timeout=300)
@@ -345,6 +346,7 @@ def test_interrupt_kills_every_rank(tmp_path):
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == 3 and "interrupted" in out
+        assert "[rank 2] about to wait" in out  # the ranks' output is shown, not lost
         gone, alive = psutil.wait_procs(ranks, timeout=5)
         assert not alive, f"ranks survived the interrupt: {alive}"
     finally:
