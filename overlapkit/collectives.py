@@ -81,14 +81,26 @@ def chunk_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def _global_rank(group, r: int) -> int:
+    """The global rank of position ``r`` in ``group`` (p2p calls address global ranks)."""
+    return r if group is None else dist.get_global_rank(group, r)
+
+
 def _ring(group):
     """(my position, world, global rank of the left and right neighbours) in ``group``."""
     me, world = dist.get_rank(group), dist.get_world_size(group)
+    return me, world, _global_rank(group, (me - 1) % world), _global_rank(group, (me + 1) % world)
 
-    def global_rank(r):
-        return r if group is None else dist.get_global_rank(group, r)
 
-    return me, world, global_rank((me - 1) % world), global_rank((me + 1) % world)
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat view of ``tensor``, or a flat contiguous copy when it is not contiguous."""
+    return tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+
+
+def _write_back(tensor: torch.Tensor, flat: torch.Tensor) -> None:
+    """Make an in-place result visible in ``tensor`` when ``flat`` had to be a copy."""
+    if not tensor.is_contiguous():
+        tensor.copy_(flat.view_as(tensor))
 
 
 def check_same_everywhere(
@@ -231,10 +243,10 @@ def naive_all_reduce(
     if world == 1:
         finish(tensor, op, 1)
         return
-    flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-    root = 0 if group is None else dist.get_global_rank(group, 0)
+    flat = _flat(tensor)
+    root = _global_rank(group, 0)
     if me == 0:
-        others = [r if group is None else dist.get_global_rank(group, r) for r in range(1, world)]
+        others = [_global_rank(group, r) for r in range(1, world)]
         bufs = [torch.empty_like(flat) for _ in others]
         with span("gather from all", "comm"):
             p2p.wait_all([p2p.irecv(b, src, group) for b, src in zip(bufs, others, strict=True)])
@@ -249,8 +261,7 @@ def naive_all_reduce(
             p2p.send(flat, root, group)
         with span("wait for result", "comm"):
             p2p.recv(flat, root, group)
-    if flat.data_ptr() != tensor.data_ptr():
-        tensor.copy_(flat.view_as(tensor))
+    _write_back(tensor, flat)
 
 
 # --------------------------------------------------------------------------- ring
@@ -440,15 +451,14 @@ def ring_all_reduce(
         world = dist.get_world_size(group)
         if check:
             check_same_everywhere("ring_all_reduce", tensor, op, group)
-        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+        flat = _flat(tensor)
         bounds = chunk_bounds(flat.numel(), world)
         span = _spans(timeline)
         _ring_reduce_scatter_flat(flat, bounds, op, group, span)
         lo, hi = bounds[dist.get_rank(group)]
         finish(flat[lo:hi], op, world)
         _ring_all_gather_flat(flat, bounds, group, span)
-        if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
-            tensor.copy_(flat.view_as(tensor))
+        _write_back(tensor, flat)
 
     return _run(run, async_op)
 
