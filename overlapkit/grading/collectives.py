@@ -90,40 +90,40 @@ def _first_difference(got: torch.Tensor, want: torch.Tensor, bounds):
     return i, chunk
 
 
-def _check(report, label, fn, runner, expected, world_sizes, op, from_scratch, timeout):
+def _first_problem(results, world, expected, op, from_scratch) -> str | None:
+    """The first thing wrong, rank by rank and case by case, said precisely; None if none."""
+    for rank, (cases, traffic) in enumerate(results):
+        if from_scratch and traffic.collectives:
+            called = ", ".join(sorted(set(traffic.collectives)))
+            return f"rank {rank} called {called}: build it from send/recv (isend/irecv) only"
+        for salt, (numel, got, returned) in enumerate(cases):
+            want, bounds, what = expected(world, rank, numel, salt, op)
+            diff = _first_difference(got, want, bounds)
+            if diff is None:
+                continue
+            i, chunk = diff
+            lo, hi = bounds[chunk]
+            note = ""
+            if returned is not None and torch.allclose(returned.reshape(-1).float(), want):
+                note = " You returned the right values: the operation must be in place."
+            return (
+                f"{world} ranks, {what} of {numel} elements: rank {rank}, chunk {chunk} "
+                f"(elements {lo}-{hi - 1}) differs first at element {i}: expected "
+                f"{want[i].item():g}, got {got[i].item():g}.{note}"
+            )
+    return None
+
+
+def _check(name, fn, runner, expected, world_sizes, op, from_scratch, timeout) -> Report:
+    report = Report(name)
     for world in world_sizes:
-        results = run_or_report(report, f"{label} on {world} ranks", runner, fn, op,
+        results = run_or_report(report, f"{name} on {world} ranks", runner, fn, op,
                                 world_size=world, timeout=timeout)  # fmt: skip
         if results is None:
             return report
-        problems = []
-        for rank, (cases, traffic) in enumerate(results):
-            if from_scratch and traffic.collectives:
-                called = ", ".join(sorted(set(traffic.collectives)))
-                problems.append(
-                    f"rank {rank} called {called}: build it from send/recv (isend/irecv) only"
-                )
-                break
-            for salt, (numel, got, returned) in enumerate(cases):
-                want, bounds, what = expected(world, rank, numel, salt, op)
-                diff = _first_difference(got, want, bounds)
-                if diff is None:
-                    continue
-                i, chunk = diff
-                lo, hi = bounds[chunk]
-                note = ""
-                if returned is not None and torch.allclose(returned.reshape(-1).float(), want):
-                    note = " You returned the right values: the operation must be in place."
-                problems.append(
-                    f"{world} ranks, {what} of {numel} elements: rank {rank}, chunk {chunk} "
-                    f"(elements {lo}-{hi - 1}) differs first at element {i}: expected "
-                    f"{want[i].item():g}, got {got[i].item():g}.{note}"
-                )
-                break
-            if problems:
-                break
-        if problems:
-            report.fail(problems[0])
+        problem = _first_problem(results, world, expected, op, from_scratch)
+        if problem:
+            report.fail(problem)
         else:
             sizes = ", ".join(map(str, _sizes(world)))
             report.ok(f"{world} ranks: correct on every rank for sizes {sizes}")
@@ -137,18 +137,8 @@ def check_all_reduce(fn, op: str = "sum", from_scratch: bool = True, world_sizes
     def expected(world, rank, numel, salt, op):
         return _truth(world, numel, salt, op), chunk_bounds(numel, world), "a tensor"
 
-    report = Report(name or getattr(fn, "__name__", "all_reduce"))
-    return _check(
-        report,
-        report.exercise,
-        fn,
-        _run_all_reduce,
-        expected,
-        world_sizes,
-        op,
-        from_scratch,
-        timeout,
-    )
+    name = name or getattr(fn, "__name__", "all_reduce")
+    return _check(name, fn, _run_all_reduce, expected, world_sizes, op, from_scratch, timeout)
 
 
 def check_reduce_scatter(fn, op: str = "sum", from_scratch: bool = True, world_sizes=WORLD_SIZES,
@@ -159,18 +149,8 @@ def check_reduce_scatter(fn, op: str = "sum", from_scratch: bool = True, world_s
         full = _truth(world, per_rank * world, salt, op)
         return full[rank * per_rank : (rank + 1) * per_rank], [(0, per_rank)], "an output"
 
-    report = Report(name or getattr(fn, "__name__", "reduce_scatter"))
-    return _check(
-        report,
-        report.exercise,
-        fn,
-        _run_reduce_scatter,
-        expected,
-        world_sizes,
-        op,
-        from_scratch,
-        timeout,
-    )
+    name = name or getattr(fn, "__name__", "reduce_scatter")
+    return _check(name, fn, _run_reduce_scatter, expected, world_sizes, op, from_scratch, timeout)
 
 
 def check_all_gather(fn, from_scratch: bool = True, world_sizes=WORLD_SIZES, timeout: float = 30.0,
@@ -181,15 +161,5 @@ def check_all_gather(fn, from_scratch: bool = True, world_sizes=WORLD_SIZES, tim
         want = torch.cat([_input(r, per_rank, salt) for r in range(world)])
         return want, [(r * per_rank, (r + 1) * per_rank) for r in range(world)], "an output"
 
-    report = Report(name or getattr(fn, "__name__", "all_gather"))
-    return _check(
-        report,
-        report.exercise,
-        fn,
-        _run_all_gather,
-        expected,
-        world_sizes,
-        "sum",
-        from_scratch,
-        timeout,
-    )
+    name = name or getattr(fn, "__name__", "all_gather")
+    return _check(name, fn, _run_all_gather, expected, world_sizes, "sum", from_scratch, timeout)
