@@ -22,6 +22,31 @@ import torch.distributed as dist
 from .collectives import ring_all_gather, ring_reduce_scatter
 
 
+def flatten_padded(params, padded: int, values=None) -> torch.Tensor:
+    """``values`` (default: the params themselves) end to end in one flat vector of ``padded``.
+
+    The params give the layout: value i fills param i's slot. A ``None`` value
+    (a parameter without a gradient this step) leaves its slot zero, as does
+    the padding after the last one.
+    """
+    first = params[0]
+    flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
+    offset = 0
+    for p, v in zip(params, params if values is None else values, strict=True):
+        if v is not None:
+            flat[offset : offset + p.numel()].copy_(v.detach().reshape(-1))
+        offset += p.numel()
+    return flat
+
+
+def unflatten_into(tensors, flat: torch.Tensor) -> None:
+    """Copy consecutive slices of ``flat`` back into ``tensors`` (the inverse of the above)."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 class ShardedOptimizer:
     """Wrap ``optimizer_cls`` so that each rank holds state for its shard of ``params`` only.
 
@@ -47,7 +72,8 @@ class ShardedOptimizer:
         self.shard_numel = -(-self.numel // self.world)
         self.padded = self.shard_numel * self.world
         lo = self.rank * self.shard_numel
-        self.shard = torch.nn.Parameter(self._flat_params()[lo : lo + self.shard_numel].clone())
+        flat = flatten_padded(self.params, self.padded)
+        self.shard = torch.nn.Parameter(flat[lo : lo + self.shard_numel].clone())
         self.inner = optimizer_cls([self.shard], **kwargs)
 
     @property
@@ -58,35 +84,16 @@ class ShardedOptimizer:
     def state(self):
         return self.inner.state
 
-    def _flat_params(self) -> torch.Tensor:
-        flat = torch.zeros(self.padded, dtype=self.params[0].dtype, device=self.params[0].device)
-        offset = 0
-        for p in self.params:
-            flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
-            offset += p.numel()
-        return flat
-
-    def _flat_grads(self) -> torch.Tensor:
-        flat = torch.zeros(self.padded, dtype=self.params[0].dtype, device=self.params[0].device)
-        offset = 0
-        for p in self.params:
-            if p.grad is not None:  # a parameter unused this step contributes zeros
-                flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
-            offset += p.numel()
-        return flat
-
     @torch.no_grad()
     def step(self) -> None:
         grad_shard = torch.empty_like(self.shard)
-        ring_reduce_scatter(grad_shard, self._flat_grads(), op="avg")
+        grads = flatten_padded(self.params, self.padded, [p.grad for p in self.params])
+        ring_reduce_scatter(grad_shard, grads, op="avg")
         self.shard.grad = grad_shard
         self.inner.step()
         full = torch.empty(self.padded, dtype=self.shard.dtype, device=self.shard.device)
         ring_all_gather(full, self.shard.detach())
-        offset = 0
-        for p in self.params:
-            p.copy_(full[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        unflatten_into(self.params, full)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:

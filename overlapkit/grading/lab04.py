@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..sharded import flatten_padded, unflatten_into
 from .common import run_or_report
 from .report import Report
 
@@ -16,15 +17,6 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
 
 
-def _flat(tensors, padded):
-    out = torch.zeros(padded)
-    offset = 0
-    for t in tensors:
-        out[offset : offset + t.numel()] = t.detach().reshape(-1)
-        offset += t.numel()
-    return out
-
-
 def _run(zero1_step):
     import overlapkit as ok
 
@@ -34,7 +26,7 @@ def _run(zero1_step):
     numel = sum(p.numel() for p in params)
     shard_numel = -(-numel // world)
     padded = shard_numel * world
-    flat_params = _flat(params, padded)
+    flat_params = flatten_padded(params, padded)
     shard = torch.nn.Parameter(flat_params[me * shard_numel : (me + 1) * shard_numel].clone())
     # SGD with momentum, not Adam: Adam ignores the scale of the gradient, so it
     # could not tell a summed gradient from an averaged one
@@ -45,12 +37,10 @@ def _run(zero1_step):
     for _ in range(STEPS):
         x, y = torch.randn(4, 5, generator=gen), torch.randn(4, 3, generator=gen)
         # the learner's model is the flat vector: load it, backward, flatten the grads
-        offset = 0
-        for p in params:
-            p.data.copy_(flat_params[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        with torch.no_grad():
+            unflatten_into(params, flat_params)
         torch.nn.functional.mse_loss(model(x), y).backward()
-        flat_grads = _flat([p.grad for p in params], padded)
+        flat_grads = flatten_padded(params, padded, [p.grad for p in params])
         for p in params:
             p.grad = None
         with torch.no_grad():
@@ -63,7 +53,10 @@ def _run(zero1_step):
         plain.step()
         plain.zero_grad()
         trace.append(
-            (flat_params[:numel].clone(), _flat(list(reference.parameters()), padded)[:numel])
+            (
+                flat_params[:numel].clone(),
+                flatten_padded(list(reference.parameters()), padded)[:numel],
+            )
         )
     state = sum(t.numel() for s in optimizer.state.values() for t in s.values() if t.dim() > 0)
     return trace, state, numel, shard_numel
