@@ -49,6 +49,7 @@ class RankSpec:
     timeout_s: float
     env: dict = field(default_factory=dict)
     link: object = None  # an overlapkit.p2p.Link for the kit's messages, or None
+    shm_dir: str | None = None  # where emulated messages' bytes go (overlapkit.shm)
 
 
 def log_path(log_dir: str, rank: int) -> str:
@@ -166,6 +167,7 @@ def main(spec: RankSpec, rank: int, conn) -> None:
             # the caller enforces the user's timeout; this only bounds stray waits
             timeout=timedelta(seconds=max(60.0, spec.timeout_s + 30.0)),
         )
+        p2p.use_shared_memory(spec.shm_dir)
         p2p.set_link(spec.link)
         value = fn(*args, **kwargs)
         message = ("ok", dumps_result(value))

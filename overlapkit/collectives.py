@@ -269,7 +269,7 @@ def naive_all_reduce(
 
 #: a ring step moves its chunk in pieces of this size, so that reducing piece j
 #: overlaps with receiving piece j+1 (the pipelining that pays for large chunks)
-PIECE_BYTES = 1 << 20
+PIECE_BYTES = 1 << 19
 
 _scratch: dict = {}
 

@@ -154,6 +154,12 @@ class _FilenamePickler(cloudpickle.Pickler):
 _code_reduce = getattr(getattr(cloudpickle, "cloudpickle", None), "_code_reduce", None)
 
 
+def _shm_root() -> str | None:
+    """/dev/shm when this system has a writable one (Linux), else None."""
+    root = "/dev/shm"
+    return root if os.path.isdir(root) and os.access(root, os.W_OK) else None
+
+
 def dumps_keeping_filenames(obj) -> bytes:
     buf = io.BytesIO()
     _FilenamePickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(obj)
@@ -205,6 +211,8 @@ def launch(
         ) from exc
 
     workdir = tempfile.mkdtemp(prefix="overlapkit-")
+    # the emulated link's data path: in RAM (tmpfs) where the system has one
+    shm_dir = tempfile.mkdtemp(prefix="overlapkit-", dir=_shm_root() or workdir)
     spec = _rank.RankSpec(
         payload=payload,
         world_size=world_size,
@@ -215,6 +223,7 @@ def launch(
         timeout_s=timeout if timeout is not None else 3600.0,
         env=dict(os.environ),
         link=link,
+        shm_dir=shm_dir,
     )
     ranks = _Ranks(spec)
     interrupted = False
@@ -228,6 +237,7 @@ def launch(
         ranks.stop()
         logs = [_read(_rank.log_path(workdir, r)) for r in range(world_size)]
         shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(shm_dir, ignore_errors=True)
         if interrupted and not quiet:  # what the ranks printed before the interrupt
             print_rank_output(logs)
 

@@ -18,16 +18,23 @@ message also pays the link's cost, modelled like a NIC::
   rank share its incoming link (N−1 senders into one root take (N−1)·S/B,
   while a ring step, one in and one out per rank, is never contended);
 * waiting sleeps, so computation really runs while a message is "on the wire";
-* the real bytes still move through the process group, concurrently with the
-  emulated delay, so results stay real.
+* the real bytes still move, concurrently with the emulated delay, so results
+  stay real: through shared memory when the ranks share a machine (``ok.launch``;
+  see :mod:`overlapkit.shm` — loopback sockets would be slower than the link
+  being emulated), else through the process group.
 
-To know when a message left, the receiver needs the sender's departure time:
-a tiny header (one float64, on the shared monotonic clock of the machine)
-travels before each message. Messages between a pair of ranks match in order.
+Each message is preceded by a small header through the process group: the
+sender's departure time (on the machine's shared monotonic clock — the
+receiver needs it to know when the message arrives), its size, and where its
+bytes are. Messages between a pair of ranks match in order.
 """
 
 from __future__ import annotations
 
+import collections
+import ctypes
+import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -35,8 +42,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import shm
+
 #: tag of the kit's messages, so they never match a learner's own dist.send/recv
 KIT_TAG = 7171
+#: tag of message bodies that travel through the process group under a link
+KIT_DATA_TAG = KIT_TAG + 1
 
 
 @dataclass(frozen=True)
@@ -94,12 +105,32 @@ class _LinkState:
 
 
 _link: _LinkState | None = None
+_channels: shm.Channels | None = None
 
 
 def set_link(link: Link | None) -> None:
     """Use ``link`` for this rank's kit messages from now on (None: no emulation)."""
     global _link
     _link = _LinkState(link) if link is not None else None
+    if link is not None:
+        _precise_sleeps()
+
+
+def _precise_sleeps() -> None:
+    """Let this process's sleeps end within ~1 µs of their deadline instead of ~50 µs
+    (Linux's default timer slack), so an emulated 50 µs latency is not 100 µs."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, in ns
+        except (OSError, AttributeError):
+            pass  # slower sleeps are a precision loss, not an error
+
+
+def use_shared_memory(directory: str | None) -> None:
+    """Move emulated messages' bytes through shared memory in ``directory`` (set by
+    ``ok.launch``, whose ranks share one machine); None: through the process group."""
+    global _channels
+    _channels = shm.Channels(directory, dist.get_rank()) if directory else None
 
 
 def current_link() -> Link | None:
@@ -112,23 +143,23 @@ def _sleep_until(deadline: float) -> None:
         time.sleep(delay)  # sleeping, not spinning: the cores stay free for compute
 
 
-def _header(device) -> torch.Tensor:
-    return torch.empty(1, dtype=torch.float64, device=device)
+def _group_name(group) -> str:
+    return (group if group is not None else dist.group.WORLD).group_name
 
 
 class _Handle:
-    """A message in flight over the emulated link: ``wait()`` and ``is_completed()``."""
+    """A message being sent over the emulated link: ``wait()`` and ``is_completed()``."""
 
-    def __init__(self, works, ready):
+    def __init__(self, works, done_at: float):
         self._works = works
-        self._ready = ready  # () -> the time the message completes, once known
+        self._done_at = done_at
         self._done = False
 
     def wait(self, timeout=None) -> bool:
         if not self._done:
             for w in self._works:
                 w.wait()
-            _sleep_until(self._ready())
+            _sleep_until(self._done_at)
             self._done = True
         return True
 
@@ -137,7 +168,12 @@ class _Handle:
             return True
         if not all(w.is_completed() for w in self._works):
             return False
-        return time.perf_counter() >= self._ready()
+        return time.perf_counter() >= self._done_at
+
+
+def _shared_memory(tensor: torch.Tensor) -> bool:
+    """Whether a message's bytes and header go through shared memory (else the group)."""
+    return _channels is not None and tensor.device.type == "cpu"
 
 
 def isend(tensor: torch.Tensor, dst: int, group=None):
@@ -146,34 +182,146 @@ def isend(tensor: torch.Tensor, dst: int, group=None):
     if state is None:
         return dist.isend(tensor, dst, group=group, tag=KIT_TAG)
     nbytes = tensor.numel() * tensor.element_size()
+    if _shared_memory(tensor):
+        out = _channels.outgoing(_group_name(group), dst)
+        with out.lock:  # headers leave in the order their bytes were placed
+            departed, last_byte = state.depart(nbytes)
+            placed = out.put(tensor)
+            works = []
+            if placed is None:  # no room in the ring: the process group moves this one
+                works.append(dist.isend(tensor, dst, group=group, tag=KIT_DATA_TAG))
+            out.post(departed, nbytes, *(placed or (-1, 0)))
+        return _Handle(works, last_byte)
     departed, last_byte = state.depart(nbytes)
-    header = _header(tensor.device).fill_(departed)
+    header = torch.tensor([departed, nbytes, -1, 0], dtype=torch.float64)
     works = [
-        dist.isend(header, dst, group=group, tag=KIT_TAG),
-        dist.isend(tensor, dst, group=group, tag=KIT_TAG),
+        dist.isend(header.to(tensor.device), dst, group=group, tag=KIT_TAG),
+        dist.isend(tensor, dst, group=group, tag=KIT_DATA_TAG),
     ]
-    return _Handle(works, lambda: last_byte)
+    return _Handle(works, last_byte)
+
+
+class _Inbox:
+    """Messages from one sender in one group, landed in the order they were sent (so the
+    shared-memory ring is freed in order, and the incoming link reserved in order).
+
+    Through shared memory, a thread of the inbox lands them as their headers
+    come in — like a NIC, it moves the bytes while the rank computes or waits
+    for something else, whatever order the handles are waited in. Through the
+    process group (GPU tensors, torchrun), they land in the thread that waits.
+    """
+
+    def __init__(self, incoming: shm.Incoming | None):
+        self.lock = threading.Lock()
+        self.pending: collections.deque = collections.deque()
+        self.queue: queue.SimpleQueue | None = None
+        if incoming is not None:
+            self.queue = queue.SimpleQueue()
+            name = "overlapkit-inbox"
+            threading.Thread(
+                target=self._land_in_order, args=(incoming,), name=name, daemon=True
+            ).start()
+
+    def post(self, receive: _Receive) -> None:
+        if self.queue is not None:
+            self.queue.put(receive)
+            return
+        with self.lock:  # header receives are matched in the order they are posted
+            receive.post_header()
+            self.pending.append(receive)
+
+    def _land_in_order(self, incoming: shm.Incoming) -> None:
+        while True:
+            receive = self.queue.get()
+            receive.land(incoming.read_header, incoming)
+
+    def finish(self, receive: _Receive) -> None:
+        """Return once ``receive`` has landed."""
+        if self.queue is None:
+            with self.lock:
+                while not receive.landed.is_set():
+                    head = self.pending.popleft()
+                    head.land(head.header_from_group, None)
+        receive.landed.wait()
+
+
+_inboxes: dict = {}
+_inboxes_lock = threading.Lock()
+
+
+def _inbox(group_name: str, src: int, shared: bool) -> _Inbox:
+    key = (group_name, src, shared)
+    with _inboxes_lock:
+        if key not in _inboxes:
+            _inboxes[key] = _Inbox(_channels.incoming(group_name, src) if shared else None)
+        return _inboxes[key]
+
+
+class _Receive:
+    """A message being received over the emulated link."""
+
+    def __init__(self, tensor: torch.Tensor, src: int, group, state: _LinkState):
+        self._tensor, self._src, self._group, self._state = tensor, src, group, state
+        self.landed = threading.Event()
+        self._error: BaseException | None = None
+        self._done_at = 0.0
+        self._sleep_done = False
+        self._inbox = _inbox(_group_name(group), src, _shared_memory(tensor))
+        self._inbox.post(self)
+
+    def post_header(self) -> None:
+        self._header = torch.empty(4, dtype=torch.float64, device=self._tensor.device)
+        self._header_work = dist.irecv(self._header, self._src, group=self._group, tag=KIT_TAG)
+
+    def header_from_group(self) -> tuple:
+        self._header_work.wait()
+        return self._header.tolist()
+
+    def land(self, read_header, incoming: shm.Incoming | None) -> None:
+        """Header in; copy the bytes out (or receive them); reserve the incoming link."""
+        try:
+            departed, nbytes, offset, end = read_header()
+            expected = self._tensor.numel() * self._tensor.element_size()
+            if int(nbytes) != expected:
+                raise RuntimeError(
+                    f"rank {dist.get_rank()} posted a receive of {expected} bytes "
+                    f"({tuple(self._tensor.shape)} {self._tensor.dtype}) from rank {self._src}, "
+                    f"but rank {self._src} sent {int(nbytes)} bytes"
+                )
+            if offset >= 0:
+                incoming.get(self._tensor, int(offset), int(end))
+            else:
+                dist.irecv(self._tensor, self._src, group=self._group, tag=KIT_DATA_TAG).wait()
+            self._done_at = self._state.arrive(departed, expected)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+            self._error = exc
+        finally:
+            self.landed.set()
+
+    def wait(self, timeout=None) -> bool:
+        if not self._sleep_done:
+            self._inbox.finish(self)
+            if self._error is not None:
+                raise self._error
+            _sleep_until(self._done_at)
+            self._sleep_done = True
+        return True
+
+    def is_completed(self) -> bool:
+        if self._sleep_done:
+            return True
+        if not self.landed.is_set():
+            if self._inbox.queue is not None or not self._header_work.is_completed():
+                return False
+            self._inbox.finish(self)
+        return time.perf_counter() >= self._done_at
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None):
     """Start receiving into ``tensor`` from global rank ``src``; returns a handle."""
-    state = _link
-    if state is None:
+    if _link is None:
         return dist.irecv(tensor, src, group=group, tag=KIT_TAG)
-    nbytes = tensor.numel() * tensor.element_size()
-    header = _header(tensor.device)
-    header_work = dist.irecv(header, src, group=group, tag=KIT_TAG)
-    data_work = dist.irecv(tensor, src, group=group, tag=KIT_TAG)
-    done_at = []
-
-    def ready() -> float:
-        # called only once both works are done (waiting twice on a gloo receive
-        # blocks); reserves the incoming link once, from the sender's departure
-        if not done_at:
-            done_at.append(state.arrive(float(header.item()), nbytes))
-        return done_at[0]
-
-    return _Handle([header_work, data_work], ready)
+    return _Receive(tensor, src, group, _link)
 
 
 def send(tensor: torch.Tensor, dst: int, group=None) -> None:

@@ -136,9 +136,10 @@ def test_bench_collectives_reports_busbw_ratios_and_model_columns(tmp_path):
               "--reps", "2", "--link", "100,0.2", "--json", str(linked))  # fmt: skip
     assert "Link(100 µs, 0.2 GB/s): fitted from a ping-pong over it" in out
     data = json.loads(linked.read_text())
-    assert data["meta"]["fitted"]["loopback_gbps"] > 0  # the machine's own transport, same run
     assert [r["algorithm"] for r in data["rows"]] == ["naive", "ring"]
     for r in data["rows"]:
+        # the machine's own share, measured in the same launch, is well under the link's cost
+        assert 0 < r["machine_ms"] < r["time_ms"] and r["limit"] in ("link", "machine")
         # the emulated link is a lower bound on the ring: 2(N−1)·(α + S/N·β)
         assert r["bound_ms"] == pytest.approx(4 * (100e-6 + 2**20 / 3 / 0.2e9) * 1e3)
         assert 0 < r["efficiency"] <= 1.0 and r["model_ms"] > 0

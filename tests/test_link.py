@@ -6,6 +6,7 @@ speed: each margin is several times the noise of a shared machine.
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -61,14 +62,19 @@ def _into_root(nbytes):
         p2p.wait_all([p2p.irecv(b, src) for src, b in enumerate(bufs, start=1)])
     else:
         p2p.send(buf, 0)
-    return time.perf_counter() - start
+    return start, time.perf_counter()
+
+
+# Lower bounds count from the earliest start of any rank: a sender may leave the
+# barrier (and its message depart) before the receiver does.
 
 
 def test_messages_into_one_rank_share_its_incoming_link():
     link = ok.Link(latency_us=0, bandwidth_gbps=0.2)
     nbytes = 4 * MB  # 21 ms each
-    root_time = ok.launch(_into_root, nbytes, world_size=4, link=link)[0]
-    assert root_time >= 3 * nbytes * link.beta * 0.999
+    spans = ok.launch(_into_root, nbytes, world_size=4, link=link)
+    first_start, root_end = min(s for s, _ in spans), spans[0][1]
+    assert root_end - first_start >= 3 * nbytes * link.beta * 0.999
 
 
 def _ring_step(nbytes):
@@ -77,14 +83,17 @@ def _ring_step(nbytes):
     dist.barrier()
     start = time.perf_counter()
     p2p.wait_all([p2p.isend(out, (me + 1) % world), p2p.irecv(into, (me - 1) % world)])
-    return time.perf_counter() - start
+    return start, time.perf_counter()
 
 
 def test_a_ring_step_is_not_contended():
     link = ok.Link(latency_us=0, bandwidth_gbps=0.2)
     nbytes = 4 * MB  # one message: 21 ms; contended, it would be 3x that at a root
-    for step in ok.launch(_ring_step, nbytes, world_size=4, link=link):
-        assert nbytes * link.beta * 0.999 <= step < 2 * nbytes * link.beta
+    spans = ok.launch(_ring_step, nbytes, world_size=4, link=link)
+    for me, (start, end) in enumerate(spans):
+        left_start = spans[me - 1][0]  # my message left my left neighbour after this
+        assert end - left_start >= nbytes * link.beta * 0.999
+        assert end - start < 2 * nbytes * link.beta
 
 
 def _cpu_while_waiting(nbytes):
@@ -95,15 +104,17 @@ def _cpu_while_waiting(nbytes):
         p2p.send(buf, 1)
     else:
         p2p.recv(buf, 0)
-    return time.perf_counter() - wall, time.process_time() - cpu
+    return wall, time.perf_counter(), time.process_time() - cpu
 
 
 def test_waiting_for_the_link_burns_no_cpu():
     link = ok.Link(latency_us=200_000, bandwidth_gbps=10)  # 0.2 s of pure latency
     # the sender is done once its last byte left; the receiver waits out the latency
-    _, (wall, cpu) = ok.launch(_cpu_while_waiting, 1024, world_size=2, link=link)
-    assert wall >= link.alpha * 0.999
-    assert cpu < 0.25 * wall, f"{cpu:.3f} s of CPU in {wall:.3f} s of waiting"
+    (sender_start, _, _), (start, end, cpu) = ok.launch(
+        _cpu_while_waiting, 1024, world_size=2, link=link
+    )
+    assert end - sender_start >= link.alpha * 0.999
+    assert cpu < 0.25 * (end - start), f"{cpu:.3f} s of CPU in {end - start:.3f} s of waiting"
 
 
 def _overlap(nbytes, compute_s):
@@ -149,3 +160,109 @@ def test_no_link_means_plain_torch_distributed_handles():
         return type(h).__module__.startswith("torch")
 
     assert ok.launch(kind, world_size=2) == [True, True]
+
+
+# ---------------------------------------------------------------- the shared-memory data path
+
+
+def _through_a_small_ring(capacity):
+    """Messages bigger than the ring, more bytes in flight than it holds, and wrap-around."""
+    from overlapkit import shm
+
+    shm.CAPACITY = capacity  # before this rank's first message makes its channels
+    me, peer = ok.rank(), 1 - ok.rank()
+    sizes = [capacity // 3, capacity // 3, capacity // 3 + 5, 2 * capacity, 7, capacity // 2]
+    outs = [torch.arange(n, dtype=torch.uint8) + me for n in sizes]
+    ins = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+    for _ in range(3):  # again and again: the ring wraps and restarts
+        sends = [p2p.isend(t, peer) for t in outs]
+        recvs = [p2p.irecv(t, src=peer) for t in ins]
+        p2p.wait_all(recvs[::-1] + sends)  # waited in reverse: they still land in order
+        for got, n in zip(ins, sizes, strict=True):
+            assert torch.equal(got, torch.arange(n, dtype=torch.uint8) + peer), n
+    return True
+
+
+def test_messages_larger_than_the_shared_ring_or_waited_out_of_order_arrive_intact():
+    link = ok.Link(latency_us=10, bandwidth_gbps=50)
+    assert ok.launch(_through_a_small_ring, 1 << 16, world_size=2, link=link) == [True, True]
+
+
+def _mismatched_receive():
+    if ok.rank() == 0:
+        p2p.send(torch.ones(10), 1)
+    else:
+        p2p.recv(torch.empty(12), 0)
+
+
+def test_a_receive_of_the_wrong_size_names_both_ranks_and_sizes():
+    with pytest.raises(RuntimeError) as info:
+        ok.launch(_mismatched_receive, world_size=2, link=ok.Link(10, 1), timeout=60)
+    message = str(info.value)
+    assert "receive of 48 bytes" in message and "rank 0 sent 40 bytes" in message
+
+
+def _odd_layouts():
+    me, peer = ok.rank(), 1 - ok.rank()
+    base = torch.arange(24, dtype=torch.float64).reshape(4, 6) * (me + 1)
+    into = torch.zeros(6, 4, dtype=torch.float64).t()  # a transposed, non-contiguous receive buffer
+    scalar = torch.tensor(float(me))
+    got = torch.tensor(-1.0)
+    p2p.wait_all(
+        [p2p.isend(base, peer), p2p.irecv(into, peer), p2p.isend(scalar, peer),
+         p2p.irecv(got, peer)]
+    )  # fmt: skip
+    return torch.equal(into, torch.arange(24.0).reshape(4, 6) * (peer + 1)), got.item()
+
+
+def test_non_contiguous_and_zero_dim_tensors_travel_over_the_link():
+    assert ok.launch(_odd_layouts, world_size=2, link=ok.Link(10, 1)) == [(True, 1.0), (True, 0.0)]
+
+
+def test_a_launch_leaves_no_shared_memory_behind(tmp_path):
+    def files():
+        return {p for p in os.listdir("/dev/shm") if p.startswith("overlapkit-")}
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this system")
+    before = files()
+    ok.launch(_collectives_under_link, world_size=3, link=ok.Link(20, 1))
+    with pytest.raises(RuntimeError):
+        ok.launch(_mismatched_receive, world_size=2, link=ok.Link(10, 1), timeout=60)
+    assert files() == before
+
+
+def test_the_shared_ring_wraps_refuses_what_does_not_fit_and_restarts_when_drained(
+    tmp_path, monkeypatch
+):
+    from overlapkit import shm
+
+    monkeypatch.setattr(shm, "CAPACITY", 100)
+    path = str(tmp_path / "channel")
+    out, into = shm.Outgoing(path), shm.Incoming(path)
+
+    def message(n, first):
+        return torch.arange(first, first + n, dtype=torch.uint8)
+
+    def land(n):
+        got = torch.empty(n, dtype=torch.uint8)
+        _, nbytes, offset, end = into.read_header()
+        into.get(got, offset, end)
+        return nbytes, offset, got
+
+    sent = {}
+    for name, n, first in [("a", 40, 0), ("b", 20, 100)]:
+        offset, end = out.put(message(n, first))
+        out.post(0.0, n, offset, end)
+        sent[name] = offset
+    assert sent == {"a": 0, "b": 40}
+    assert land(40)[2].equal(message(40, 0))  # a out; b still in flight
+    assert out.put(torch.zeros(81, dtype=torch.uint8)) is None  # 20 in flight + 81 > 100
+    offset, end = out.put(message(70, 7))  # 60..100 then 0..30: wraps around the end
+    out.post(0.0, 70, offset, end)
+    assert offset == 60
+    assert land(20)[2].equal(message(20, 100))
+    assert land(70)[2].equal(message(70, 7))
+    # drained: the next message starts over at offset 0 (no fresh pages touched)
+    assert out.put(message(10, 0))[0] == 0
+    assert not os.path.exists(path)  # unlinked once the receiver had both ends open

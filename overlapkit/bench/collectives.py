@@ -12,7 +12,12 @@ warm-up; an iteration's time is the slowest rank's; the table shows medians.
 * with ``--link``: bound_ms is the α-β lower bound of the ring, 2(N−1)·(α + S/N·β),
   with the link's α and β, and efficiency = bound / measured; model_ms predicts
   each algorithm from α and β *fitted* to a ping-pong over the same link (and
-  the measured reduction cost γ), and model_err is its relative error.
+  the measured reduction cost γ), and model_err is its relative error;
+  machine_ms is the same algorithm over a link that costs nothing — the real
+  copies, reductions and Python that this machine needs anyway — and limit
+  says whether the link or the machine sets the pace (machine when machine_ms
+  is half of what the link alone costs the algorithm, or more: the emulation
+  cannot be faithful there).
 """
 
 from __future__ import annotations
@@ -41,26 +46,37 @@ def _sync():
         torch.cuda.synchronize()
 
 
+#: a link that costs nothing: what is left is the machine's own work (copies, reductions)
+INSTANT = p2p.Link(latency_us=0, bandwidth_gbps=1e9)
+
+
 def _measure(nbytes: int, algorithms, reps: int, warmup: int) -> dict[str, list[float]]:
+    """Times per algorithm; with a link, also each algorithm over :data:`INSTANT`
+    (key ``"<algorithm>@machine"``), interleaved in the same launch."""
     device = runtime.device()
     source = torch.randn(max(1, nbytes // 4), device=device)
-    bufs = {a: torch.empty_like(source) for a in algorithms}
-    times: dict[str, list[float]] = {a: [] for a in algorithms}
+    link = p2p.current_link()
+    variants = [(a, link, a) for a in algorithms]
+    if link is not None:
+        variants += [(a, INSTANT, f"{a}@machine") for a in algorithms if a != "builtin"]
+    bufs = {key: torch.empty_like(source) for _, _, key in variants}
+    times: dict[str, list[float]] = {key: [] for _, _, key in variants}
     slowest = torch.zeros(1, dtype=torch.float64, device=device)
     for i in range(warmup + reps):
-        for a in algorithms:
-            bufs[a].copy_(source)
+        for a, variant_link, key in variants:
+            p2p.set_link(variant_link)
+            bufs[key].copy_(source)
             _sync()
             dist.barrier()
             start = time.perf_counter()
-            ALGORITHMS[a](bufs[a])
+            ALGORITHMS[a](bufs[key])
             _sync()
             slowest.fill_(time.perf_counter() - start)
-            dist.all_reduce(
-                slowest, op=dist.ReduceOp.MAX
-            )  # an iteration ends with its slowest rank
+            # an iteration ends with its slowest rank
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             if i >= warmup:
-                times[a].append(slowest.item())
+                times[key].append(slowest.item())
+    p2p.set_link(link)
     return times
 
 
@@ -81,22 +97,8 @@ def _fit_link(sizes) -> tuple[float, float, float]:
     return alpha, beta, gamma
 
 
-def _loopback_gbps(nbytes: int = 4 << 20, reps: int = 5) -> float | None:
-    """This machine's own transport, no link: GB/s per direction while two ranks exchange
-    4 MiB both ways at once — the traffic of a ring step."""
-    peer = 1 - runtime.rank()
-    out, into = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    times = []
-    for _ in range(reps + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        p2p.wait_all([p2p.isend(out, peer), p2p.irecv(into, peer)])
-        times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times[1:]) / 1e9 if runtime.rank() == 0 else None
-
-
-#: the emulation is faithful when the machine's own transport is at least this much faster
-HEADROOM = 2.0
+#: the machine, not the link, limits a row when its own work takes this share of the bound
+MACHINE_SHARE = 0.5
 
 
 def parse_size(text: str) -> int:
@@ -134,16 +136,6 @@ def run(
             f"1/β = {costmodel.bandwidth_gbps(fitted['b']):.3f} GB/s; "
             f"reduction γ = {fitted['g'] * 1e9:.3f} ns/byte"
         )
-        real = launch(_loopback_gbps, world_size=2, quiet=True)[0]
-        fitted["loopback_gbps"] = real
-        if link.bandwidth_gbps * HEADROOM > real:
-            print(
-                f"note: this machine's own transport moves about {real:.2f} GB/s each way when two "
-                f"ranks exchange at once (less with more ranks). A {link.bandwidth_gbps:g} GB/s "
-                f"link is not {HEADROOM:g}x slower than that, so the real copies, not the link, "
-                "bound the times below. Emulate a slower link for faithful figures, "
-                "e.g. --link 100,0.25."
-            )
     rows = []
     combos = [(w, s) for w in world_sizes for s in sizes]
     for world, nbytes in tqdm(combos, desc="bench collectives", unit="size", file=sys.stderr):
@@ -165,18 +157,29 @@ def run(
                 row["x_builtin"] = medians["builtin"] / t if "builtin" in medians else float("nan")
             else:
                 bound = costmodel.ring_all_reduce(nbytes, world, link.alpha, link.beta)
-                predict = {"naive": costmodel.naive_all_reduce, "ring": costmodel.ring_all_reduce}[
-                    a
-                ]
-                model = predict(nbytes, world, fitted["a"], fitted["b"], fitted["g"])
+                predict = {"naive": costmodel.naive_all_reduce, "ring": costmodel.ring_all_reduce}
+                model = predict[a](nbytes, world, fitted["a"], fitted["b"], fitted["g"])
+                machine = medians[f"{a}@machine"]
+                link_only = predict[a](nbytes, world, link.alpha, link.beta)  # no γ: the link
                 row.update(
                     bound_ms=bound * 1e3,
                     efficiency=bound / t,
                     model_ms=model * 1e3,
                     model_err=(t - model) / model if model else float("nan"),
+                    machine_ms=machine * 1e3,
+                    limit="machine" if machine >= MACHINE_SHARE * link_only else "link",
                 )
             rows.append(row)
     print(format_table(rows))
+    if any(r.get("limit") == "machine" for r in rows):
+        print(
+            "limit = machine: this machine's own work for the row (machine_ms: the same "
+            f"algorithm over a link that costs nothing) is {MACHINE_SHARE:.0%} or more of "
+            "what the link alone costs it, so the real copies and reductions, not the "
+            "emulated link, set the pace: read efficiency and model_err there as limits of "
+            "this machine. More ranks than cores share the cores; a slower --link leaves "
+            "the machine more headroom."
+        )
     meta = {"bench": "collectives", "link": str(link) if link else None, "reps": reps,
             "fitted": fitted or None}  # fmt: skip
     write(rows, csv_path, json_path, meta=meta)
