@@ -227,7 +227,7 @@ class _Inbox:
             self.queue.put(receive)
             return
         with self.lock:  # header receives are matched in the order they are posted
-            receive.post_header()
+            receive.post_to_group()
             self.pending.append(receive)
 
     def _land_in_order(self, incoming: shm.Incoming) -> None:
@@ -266,12 +266,16 @@ class _Receive:
         self._error: BaseException | None = None
         self._done_at = 0.0
         self._sleep_done = False
+        self._data_work = None
         self._inbox = _inbox(_group_name(group), src, _shared_memory(tensor))
         self._inbox.post(self)
 
-    def post_header(self) -> None:
+    def post_to_group(self) -> None:
+        """Post the header's and the bytes' receives together: NCCL matches messages
+        between two ranks in order and ignores tags."""
         self._header = torch.empty(4, dtype=torch.float64, device=self._tensor.device)
         self._header_work = dist.irecv(self._header, self._src, group=self._group, tag=KIT_TAG)
+        self._data_work = dist.irecv(self._tensor, self._src, group=self._group, tag=KIT_DATA_TAG)
 
     def header_from_group(self) -> tuple:
         self._header_work.wait()
@@ -290,7 +294,9 @@ class _Receive:
                 )
             if offset >= 0:
                 incoming.get(self._tensor, int(offset), int(end))
-            else:
+            elif self._data_work is not None:
+                self._data_work.wait()
+            else:  # too big for the shared ring: the sender sent it through the group
                 dist.irecv(self._tensor, self._src, group=self._group, tag=KIT_DATA_TAG).wait()
             self._done_at = self._state.arrive(departed, expected)
         except BaseException as exc:  # noqa: BLE001 - re-raised by wait()

@@ -266,3 +266,22 @@ def test_the_shared_ring_wraps_refuses_what_does_not_fit_and_restarts_when_drain
     # drained: the next message starts over at offset 0 (no fresh pages touched)
     assert out.put(message(10, 0))[0] == 0
     assert not os.path.exists(path)  # unlinked once the receiver had both ends open
+
+
+def _through_the_process_group():
+    p2p.use_shared_memory(None)  # as under torchrun, or for GPU tensors
+    me, peer = ok.rank(), 1 - ok.rank()
+    outs = [torch.full((n,), float(me)) for n in (5, 70_000, 1)]
+    ins = [torch.empty(n) for n in (5, 70_000, 1)]
+    sends = [p2p.isend(t, peer) for t in outs]
+    recvs = [p2p.irecv(t, peer) for t in ins]
+    p2p.wait_all(recvs[::-1] + sends)
+    t = torch.arange(1001.0) * (me + 1)
+    ok.ring_all_reduce(t)
+    return [float(x[0]) for x in ins], t[:3].tolist()
+
+
+def test_the_link_also_works_without_shared_memory():
+    link = ok.Link(latency_us=20, bandwidth_gbps=1)
+    got = ok.launch(_through_the_process_group, world_size=2, link=link)
+    assert got == [([1.0] * 3, [0.0, 3.0, 6.0]), ([0.0] * 3, [0.0, 3.0, 6.0])]
