@@ -23,10 +23,11 @@ message also pays the link's cost, modelled like a NIC::
   see :mod:`overlapkit.shm` — loopback sockets would be slower than the link
   being emulated), else through the process group.
 
-Each message is preceded by a small header through the process group: the
-sender's departure time (on the machine's shared monotonic clock — the
-receiver needs it to know when the message arrives), its size, and where its
-bytes are. Messages between a pair of ranks match in order.
+Each message comes with a small header — through a named pipe next to the
+shared memory, or through the process group — holding the sender's departure
+time (on the machine's shared monotonic clock: the receiver needs it to know
+when the message arrives), its size, and where its bytes are. Messages
+between a pair of ranks match in order.
 """
 
 from __future__ import annotations
