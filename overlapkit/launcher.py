@@ -28,6 +28,7 @@ How, and why this way:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import linecache
@@ -566,6 +567,12 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
 def _launch_in_place(fn, args, kwargs, world_size, backend, link=None):
     """Under torchrun this process *is* a rank: run here, all-gather the values."""
     world = int(os.environ["WORLD_SIZE"])
@@ -587,6 +594,9 @@ def _launch_in_place(fn, args, kwargs, world_size, backend, link=None):
 
             torch.cuda.set_device(local)
         dist.init_process_group(chosen)
+        # torchrun's ranks are ordinary scripts: tear the group down before the
+        # interpreter does, or a still-running gloo thread can abort the exit
+        atexit.register(_destroy_group)
     p2p.set_link(link)
     value = fn(*args, **kwargs)
     values = [None] * dist.get_world_size()
