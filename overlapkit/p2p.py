@@ -148,28 +148,47 @@ def _group_name(group) -> str:
     return (group if group is not None else dist.group.WORLD).group_name
 
 
-class _Handle:
-    """A message being sent over the emulated link: ``wait()`` and ``is_completed()``."""
+class _OnTheLink:
+    """A message over the emulated link: once its done time is known, ``wait()``
+    sleeps until then; ``is_completed()`` polls the same without blocking.
+
+    Subclasses say how the done time becomes known: :meth:`_settle` blocks
+    until it is, :meth:`_settled` tells without blocking.
+    """
+
+    _done_at = 0.0
+    _slept = False
+
+    def _settle(self) -> None:
+        raise NotImplementedError
+
+    def _settled(self) -> bool:
+        raise NotImplementedError
+
+    def wait(self, timeout=None) -> bool:
+        if not self._slept:
+            self._settle()
+            _sleep_until(self._done_at)
+            self._slept = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._slept or (self._settled() and time.perf_counter() >= self._done_at)
+
+
+class _Handle(_OnTheLink):
+    """A message being sent: done once its last byte has left the outgoing link."""
 
     def __init__(self, works, done_at: float):
         self._works = works
         self._done_at = done_at
-        self._done = False
 
-    def wait(self, timeout=None) -> bool:
-        if not self._done:
-            for w in self._works:
-                w.wait()
-            _sleep_until(self._done_at)
-            self._done = True
-        return True
+    def _settle(self) -> None:
+        for w in self._works:
+            w.wait()
 
-    def is_completed(self) -> bool:
-        if self._done:
-            return True
-        if not all(w.is_completed() for w in self._works):
-            return False
-        return time.perf_counter() >= self._done_at
+    def _settled(self) -> bool:
+        return all(w.is_completed() for w in self._works)
 
 
 def _shared_memory(tensor: torch.Tensor) -> bool:
@@ -258,15 +277,13 @@ def _inbox(group_name: str, src: int, shared: bool) -> _Inbox:
         return _inboxes[key]
 
 
-class _Receive:
-    """A message being received over the emulated link."""
+class _Receive(_OnTheLink):
+    """A message being received: done α after its last byte came in on the incoming link."""
 
     def __init__(self, tensor: torch.Tensor, src: int, group, state: _LinkState):
         self._tensor, self._src, self._group, self._state = tensor, src, group, state
         self.landed = threading.Event()
         self._error: BaseException | None = None
-        self._done_at = 0.0
-        self._sleep_done = False
         self._data_work = None
         self._inbox = _inbox(_group_name(group), src, _shared_memory(tensor))
         self._inbox.post(self)
@@ -305,23 +322,18 @@ class _Receive:
         finally:
             self.landed.set()
 
-    def wait(self, timeout=None) -> bool:
-        if not self._sleep_done:
-            self._inbox.finish(self)
-            if self._error is not None:
-                raise self._error
-            _sleep_until(self._done_at)
-            self._sleep_done = True
-        return True
+    def _settle(self) -> None:
+        self._inbox.finish(self)
+        if self._error is not None:
+            raise self._error
 
-    def is_completed(self) -> bool:
-        if self._sleep_done:
+    def _settled(self) -> bool:
+        if self.landed.is_set():
             return True
-        if not self.landed.is_set():
-            if self._inbox.queue is not None or not self._header_work.is_completed():
-                return False
-            self._inbox.finish(self)
-        return time.perf_counter() >= self._done_at
+        if self._inbox.queue is not None or not self._header_work.is_completed():
+            return False
+        self._inbox.finish(self)  # through the group: its header is in, land it here
+        return True
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None):

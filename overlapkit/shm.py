@@ -78,6 +78,11 @@ class _Ring:
         self.head = whole[:8].view(torch.int64)  # written by the receiver only
         self.data = whole[_CONTROL:]
 
+    def span(self, offset: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ring's n bytes from ``offset``, as two views: up to the end, then from 0."""
+        first = min(n, CAPACITY - offset)
+        return self.data[offset : offset + first], self.data[: n - first]
+
 
 class Outgoing:
     """The sending end of one direction. Counters are absolute byte counts: ``tail``
@@ -100,10 +105,10 @@ class Outgoing:
             self._write_at = 0  # drained: reuse the pages already touched
         if n > CAPACITY - in_flight:
             return None
-        offset, data = self._write_at, self._ring.data
-        first = min(n, CAPACITY - offset)  # the message may wrap around the end
-        data[offset : offset + first].copy_(src[:first])
-        data[: n - first].copy_(src[first:])
+        offset = self._write_at
+        head, tail = self._ring.span(offset, n)  # the message may wrap around the end
+        head.copy_(src[: head.numel()])
+        tail.copy_(src[head.numel() :])
         self._write_at = (offset + n) % CAPACITY
         self._tail += n
         return offset, self._tail
@@ -136,11 +141,10 @@ class Incoming:
         """Copy a message out into ``into`` and free its space."""
         contiguous = into.is_contiguous()
         target = into if contiguous else torch.empty(into.shape, dtype=into.dtype)
-        dst, data = byte_view(target), self._ring.data
-        n = dst.numel()
-        first = min(n, CAPACITY - offset)
-        dst[:first].copy_(data[offset : offset + first])
-        dst[first:].copy_(data[: n - first])
+        dst = byte_view(target)
+        head, tail = self._ring.span(offset, dst.numel())
+        dst[: head.numel()].copy_(head)
+        dst[head.numel() :].copy_(tail)
         if not contiguous:
             into.copy_(target)
         self._ring.head.fill_(end)  # one aligned 8-byte store: the sender sees old or new
