@@ -30,7 +30,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from . import p2p
+from . import handles, p2p
 
 #: faulthandler marks each dump with this header; the caller looks for it.
 DUMP_SIGNAL = signal.SIGUSR1
@@ -170,6 +170,7 @@ def main(spec: RankSpec, rank: int, conn) -> None:
         p2p.use_shared_memory(spec.shm_dir)
         p2p.set_link(spec.link)
         value = fn(*args, **kwargs)
+        handles.report_unwaited()  # an op started and never waited is named, not hidden
         message = ("ok", dumps_result(value))
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
         message = error_message(exc)
@@ -179,6 +180,7 @@ def main(spec: RankSpec, rank: int, conn) -> None:
     conn.close()
     if dist.is_initialized():
         try:
+            p2p.forget_private_groups()
             dist.destroy_process_group()
         except Exception:  # the group may be broken by a peer's failure
             pass

@@ -3,9 +3,21 @@
 Every function here is the reference for a lab exercise. They take the ops
 ``"sum"``, ``"avg"``, ``"max"``, ``"min"``, ``"product"`` on any dtype the backend
 moves, any shape, non-contiguous tensors, sizes not divisible by the world size
-(or smaller than it) and empty tensors. Before moving data they compare every
-rank's tensor size, dtype and op (one small AllGather; ``check=False`` skips
-it) so that a mismatch is a clear error, not a hang or garbage.
+(or smaller than it) and empty tensors.
+
+**Issue order.** Each rank runs its kit collectives one at a time, in the
+order it issued them (from any thread), as a CUDA communication stream would;
+``async_op=True`` runs one on the rank's communication worker while the caller
+goes on. Ranks match the k-th kit collective of a group with each other's
+k-th, as NCCL does. Each one first announces itself to the peers it talks to
+(its number, collective, size, dtype, op and issuing thread — a few hundred
+bytes riding ahead of the data), so ranks that disagree get a
+:class:`CollectiveMismatchError` naming both calls, not a hang or garbage
+(``check=False`` skips the announcement). A failed collective marks its group
+broken: later ones on it fail at once, naming the first failure. The kit's
+messages travel in streams of their own (see :mod:`overlapkit.p2p`): a
+learner's ``dist.all_reduce`` or ``ok.p2p`` messages in between never pair
+with them.
 
 Why the rings cannot deadlock: at every step each rank *posts* its send and
 its receive (isend + irecv) before waiting for either, so no rank blocks in a
@@ -14,25 +26,22 @@ send while its neighbour blocks in a send too, whatever the message size.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
+import hashlib
 import queue
 import threading
+import time
 
 import torch
 import torch.distributed as dist
 
-from . import p2p
+from . import handles, p2p
+from .p2p import CollectiveMismatchError
 
 OPS = ("sum", "avg", "max", "min", "product")
-_DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool,
-]  # fmt: skip
-
-
-class CollectiveMismatchError(ValueError):
-    """Ranks called a collective with tensors or ops that do not match."""
+__all__ = ["CollectiveMismatchError"]  # re-exported: it is raised by the announcements in p2p
 
 
 # --------------------------------------------------------------------------- helpers
@@ -103,35 +112,19 @@ def _write_back(tensor: torch.Tensor, flat: torch.Tensor) -> None:
         tensor.copy_(flat.view_as(tensor))
 
 
-def check_same_everywhere(
-    name: str, tensor: torch.Tensor, op: str | None, group=None, extra: int = -1
-):
-    """Compare size, dtype and op across ranks; raise CollectiveMismatchError if they differ."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return
-    code = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else 99
-    mine = torch.tensor(
-        [tensor.numel(), code, OPS.index(op) if op else -1, extra],
-        dtype=torch.int64,
-        device=tensor.device,
+def _describe_call(name: str, tensor: torch.Tensor, op: str | None, extra: int, thread: str):
+    """(signature, description) of a kit collective: what its peers must agree on, and
+    how an error names it. Deterministic across processes (unlike ``hash``)."""
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    key = f"{name}|{tensor.numel()}|{dtype}|{op}|{extra}|{thread}".encode()
+    signature = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest()) & ((1 << 52) - 1)
+    description = (
+        f"{name} of {tensor.numel()} × {dtype}"
+        + (f", op {op!r}" if op else "")
+        + (f", output of {extra}" if extra >= 0 else "")
+        + f", issued at {handles.issue_site()} in thread {thread!r}"
     )
-    everyone = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine, group=group)
-    rows = [t.tolist() for t in everyone]
-    if all(r == rows[0] for r in rows):
-        return
-
-    def describe(r):
-        numel, dt, o, _ = rows[r]
-        dtype = str(_DTYPES[dt]).removeprefix("torch.") if dt < len(_DTYPES) else "?"
-        return f"rank {r}: {numel} elements of {dtype}" + (f", op {OPS[o]!r}" if o >= 0 else "")
-
-    raise CollectiveMismatchError(
-        f"{name}: the ranks disagree — "
-        + "; ".join(describe(r) for r in range(world))
-        + ". Every rank must pass a tensor of the same size and dtype, and the same op."
-    )
+    return signature, description
 
 
 def _spans(timeline):
@@ -141,80 +134,214 @@ def _spans(timeline):
     return timeline.span
 
 
-# --------------------------------------------------------------------------- async worker
+# --------------------------------------------------------------------------- issue order
 
 
-class Handle:
-    """An asynchronous kit collective: ``wait()`` blocks until done, ``is_completed()`` polls."""
+class Handle(handles.Tracked):
+    """An asynchronous kit operation: ``wait(timeout=None)`` blocks until done and
+    raises its failure (TimeoutError when ``timeout`` seconds pass first);
+    ``is_completed()`` polls. On CUDA, ``wait()`` makes the caller's current
+    stream wait for the operation, as NCCL's ``Work.wait()`` does."""
 
-    def __init__(self, future: concurrent.futures.Future):
+    def __init__(self, future: concurrent.futures.Future, what: str):
+        super().__init__(what)
         self._future = future
 
-    def wait(self, timeout: float | None = None) -> bool:
-        self._future.result(timeout)  # re-raises the collective's exception here
-        return True
+    def _wait(self, timeout_at: float | None) -> None:
+        remaining = None if timeout_at is None else max(0.0, timeout_at - time.perf_counter())
+        try:
+            done_event = self._future.result(remaining)[1]
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(
+                f"{self.what} (started at {self.site}) had not finished when "
+                f"wait(timeout={remaining:.3g}) ran out"
+            ) from None
+        if done_event is not None:
+            torch.cuda.current_stream(done_event.device).wait_event(done_event)
 
     def is_completed(self) -> bool:
         return self._future.done()
 
 
-class _CommWorker:
-    """One thread per rank that runs async collectives in issue order.
+class _Executor:
+    """Runs this rank's kit operations one at a time, in the order they were issued.
 
-    The CPU counterpart of a CUDA communication stream: two operations in
-    flight never interleave their messages, and the caller's thread is free
-    to compute meanwhile.
+    The CPU counterpart of a CUDA communication stream. A synchronous op runs
+    on the caller's thread once every op issued before it has finished; an
+    async one on the communication worker thread. A kit op issued from inside
+    a running one (on the worker: a callback, a bucketer given to
+    :func:`run_async`) runs at once, as part of that one — waiting for its
+    turn there would wait for itself. Each op gets the next number of its
+    group, which its messages carry and its peers check.
     """
 
     def __init__(self):
-        self._queue: queue.Queue = queue.Queue()
-        self._pending = 0
-        self._lock = threading.Lock()
-        threading.Thread(target=self._loop, name="overlapkit-comm", daemon=True).start()
+        self._cond = threading.Condition()
+        self._issued = 0
+        self._done = 0
+        self._seq: dict = collections.defaultdict(int)
+        self._broken: dict = {}
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._worker: threading.Thread | None = None
+        self._turn = threading.local()
 
-    def _loop(self):
+    def in_turn(self) -> bool:
+        return getattr(self._turn, "active", False)
+
+    def _new_op(self, call) -> p2p.Op | None:
+        """The op of ``call`` = (group, signature, description, check), numbered in its group."""
+        if call is None:
+            return None
+        group, signature, description, check = call
+        name = p2p._group_name(group)
+        self._seq[name] += 1
+        op = p2p.Op(group, self._seq[name], signature, description)
+        op.check = check
+        return op
+
+    def issue(self, fn, call, device, async_op: bool, what: str):
+        if self.in_turn():  # nested in a running op: part of its turn
+            with self._cond:
+                op = self._new_op(call)
+            result = self._execute(fn, op, device, None)
+            if not async_op:
+                return result[0]
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            future.set_result(result)
+            return Handle(future, what)
+        with self._cond:  # the ticket and the op's number are taken together
+            ticket = self._issued
+            self._issued += 1
+            op = self._new_op(call)
+        if not async_op:
+            with self._cond:
+                self._cond.wait_for(lambda: self._done == ticket)
+            try:
+                result, done = self._execute(fn, op, device, None)
+            finally:
+                self._advance()
+            if done is not None:
+                torch.cuda.current_stream(done.device).wait_event(done)
+            return result
+        ready = None
+        if device is not None and device.type == "cuda":
+            # ordered after the work queued on the caller's stream at issue, as NCCL is
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+        future = concurrent.futures.Future()
+        self._ensure_worker()
+        self._queue.put((ticket, fn, op, device, ready, future))
+        return Handle(future, what)
+
+    def _execute(self, fn, op, device, ready):
+        """Run ``fn`` as ``op``: (result, CUDA event marking its end on the comm stream)."""
+        name = p2p._group_name(op.group) if op is not None else None
+        if name in self._broken:
+            raise RuntimeError(
+                f"{op.description}: not run, because an earlier kit operation on this group "
+                f"failed ({self._broken[name]}); its messages may still be in flight, so "
+                "nothing later on the group can be trusted"
+            )
+        was, self._turn.active = self.in_turn(), True
+        try:
+            with p2p.running(op), _comm_stream(device, ready) as done:
+                result = fn()
+            return result, done.event
+        except BaseException as exc:
+            if name is not None:
+                self._broken[name] = f"{op.description}: {type(exc).__name__}: {exc}"
+            raise
+        finally:
+            self._turn.active = was
+
+    def _advance(self) -> None:
+        with self._cond:
+            self._done += 1
+            self._cond.notify_all()
+
+    def _ensure_worker(self) -> None:
+        with self._cond:
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._loop, name="overlapkit-comm", daemon=True)
+                self._worker.start()
+
+    def _loop(self) -> None:
         while True:
-            fn, future = self._queue.get()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as exc:  # noqa: BLE001 - delivered to wait()
-                    future.set_exception(exc)
-            with self._lock:
-                self._pending -= 1
-
-    def submit(self, fn) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            self._pending += 1
-        self._queue.put((fn, future))
-        return future
-
-    @property
-    def busy(self) -> bool:
-        with self._lock:
-            return self._pending > 0
+            ticket, fn, op, device, ready, future = self._queue.get()
+            with self._cond:
+                self._cond.wait_for(lambda t=ticket: self._done == t)
+            try:
+                if future.set_running_or_notify_cancel():
+                    self._turn.active = True
+                    try:
+                        # callbacks of the future run here: still within this op's turn
+                        future.set_result(self._execute(fn, op, device, ready))
+                    except BaseException as exc:  # noqa: BLE001 - delivered to wait()
+                        future.set_exception(exc)
+                    finally:
+                        self._turn.active = False
+            finally:
+                self._advance()
 
 
-_worker: _CommWorker | None = None
-_worker_lock = threading.Lock()
+class _Done:
+    event = None
 
 
-def _comm_worker() -> _CommWorker:
-    global _worker
-    with _worker_lock:
-        if _worker is None:
-            _worker = _CommWorker()
-        return _worker
+@contextlib.contextmanager
+def _comm_stream(device, ready):
+    """On CUDA, run on the kit's communication stream, after ``ready``; yields an object
+    whose ``event`` marks the end of the op's work on that stream."""
+    done = _Done()
+    if device is None or device.type != "cuda":
+        yield done
+        return
+    stream = _cuda_streams.setdefault(device, torch.cuda.Stream(device))
+    if ready is not None:
+        stream.wait_event(ready)
+    else:
+        stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield done
+        done.event = torch.cuda.Event()
+        done.event.record(stream)
 
 
-def _run(fn, async_op: bool):
-    """Run a collective now, or on the communication worker (always there if it is busy)."""
-    if async_op:
-        return Handle(_comm_worker().submit(fn))
-    if _worker is not None and _worker.busy:  # keep issue order with async ops in flight
-        return _worker.submit(fn).result()
-    return fn()
+_cuda_streams: dict = {}
+_executor = _Executor()
+
+
+def _run(name: str, fn, tensor: torch.Tensor, group, async_op: bool, check: bool,
+         op: str | None = None, extra: int = -1):  # fmt: skip
+    """Issue the kit collective ``fn`` (whose body announces it to its peers)."""
+    thread = threading.current_thread().name
+    signature, description = _describe_call(name, tensor, op, extra, thread)
+    call = (group, signature, description, check)
+    return _executor.issue(fn, call, tensor.device, async_op, description.split(",")[0])
+
+
+def run_async(fn) -> Handle:
+    """Run ``fn()`` on the communication worker, in issue order with the kit's collectives.
+
+    Kit collectives that ``fn`` calls (synchronously) run at once, within its
+    turn: a bucketer that flattens, all-reduces and unflattens can be made
+    asynchronous this way. ``wait()`` re-raises what ``fn`` raised.
+    """
+    handle = _executor.issue(fn, None, None, True, getattr(fn, "__name__", "function"))
+    return handle
+
+
+def _announce(group, to: list[int], frm: list[int], device) -> None:
+    """The op's first messages: who it is, checked against what the peers announced."""
+    op = p2p.current_op()
+    if op.check and dist.get_world_size(group) > 1:
+        p2p.announce_and_check(to, frm, group, device)
+
+
+def _announce_ring(group, device) -> None:
+    """A ring op talks to its two neighbours: announce to the right, check the left."""
+    _, _, left, right = _ring(group)
+    _announce(group, [right], [left], device)
 
 
 # --------------------------------------------------------------------------- naive
@@ -235,18 +362,23 @@ def naive_all_reduce(
     while the others carry 2·S. The root is the bottleneck, and it grows with N.
     ``timeline`` (an ``ok.Timeline``) records each phase as a span.
     """
-    span = _spans(timeline)
     _check_op(op)
+    return _run("naive_all_reduce", lambda: _naive(tensor, op, group, timeline), tensor, group,
+                async_op=False, check=check, op=op)  # fmt: skip
+
+
+def _naive(tensor: torch.Tensor, op: str, group, timeline) -> None:
+    span = _spans(timeline)
     me, world = dist.get_rank(group), dist.get_world_size(group)
-    if check:
-        check_same_everywhere("naive_all_reduce", tensor, op, group)
     if world == 1:
         finish(tensor, op, 1)
         return
     flat = _flat(tensor)
     root = _global_rank(group, 0)
+    others = [_global_rank(group, r) for r in range(1, world)]
+    peers = others if me == 0 else [root]
+    _announce(group, peers, peers, tensor.device)
     if me == 0:
-        others = [_global_rank(group, r) for r in range(1, world)]
         bufs = [torch.empty_like(flat) for _ in others]
         with span("gather from all", "comm"):
             p2p.wait_all([p2p.irecv(b, src, group) for b, src in zip(bufs, others, strict=True)])
@@ -271,15 +403,16 @@ def naive_all_reduce(
 #: overlaps with receiving piece j+1 (the pipelining that pays for large chunks)
 PIECE_BYTES = 1 << 19
 
-_scratch: dict = {}
+_scratch = threading.local()  # per thread: ops running on two threads never share one
 
 
 def _scratch_buffer(numel: int, like: torch.Tensor) -> torch.Tensor:
     """A reusable receive buffer: a fresh one per call would page-fault on every byte."""
     key = (like.dtype, like.device)
-    buf = _scratch.get(key)
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    buf = buffers.get(key)
     if buf is None or buf.numel() < numel:
-        buf = _scratch[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        buf = buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
     return buf[:numel]
 
 
@@ -374,8 +507,7 @@ def ring_reduce_scatter(
     _check_sharded_pair("ring_reduce_scatter", ("input", input), ("output", output), world)
 
     def run():
-        if check:
-            check_same_everywhere("ring_reduce_scatter", input, op, group, output.numel())
+        _announce_ring(group, input.device)
         acc = input.reshape(-1).clone()  # never modify the caller's input
         bounds = chunk_bounds(acc.numel(), world)
         _ring_reduce_scatter_flat(acc, bounds, op, group)
@@ -384,7 +516,7 @@ def ring_reduce_scatter(
         finish(mine, op, world)
         output.copy_(mine.view_as(output))
 
-    return _run(run, async_op)
+    return _run("ring_reduce_scatter", run, input, group, async_op, check, op, output.numel())
 
 
 def ring_all_gather(
@@ -406,8 +538,7 @@ def ring_all_gather(
     _check_sharded_pair("ring_all_gather", ("output", output), ("input", input), world)
 
     def run():
-        if check:
-            check_same_everywhere("ring_all_gather", input, None, group, output.numel())
+        _announce_ring(group, input.device)
         contiguous = output.is_contiguous()
         buf = (
             output.view(-1)
@@ -421,7 +552,7 @@ def ring_all_gather(
         if not contiguous:
             output.copy_(buf.view_as(output))
 
-    return _run(run, async_op)
+    return _run("ring_all_gather", run, input, group, async_op, check, extra=output.numel())
 
 
 def ring_all_reduce(
@@ -449,8 +580,7 @@ def ring_all_reduce(
 
     def run():
         world = dist.get_world_size(group)
-        if check:
-            check_same_everywhere("ring_all_reduce", tensor, op, group)
+        _announce_ring(group, tensor.device)
         flat = _flat(tensor)
         bounds = chunk_bounds(flat.numel(), world)
         span = _spans(timeline)
@@ -460,7 +590,7 @@ def ring_all_reduce(
         _ring_all_gather_flat(flat, bounds, group, span)
         _write_back(tensor, flat)
 
-    return _run(run, async_op)
+    return _run("ring_all_reduce", run, tensor, group, async_op, check, op)
 
 
 # --------------------------------------------------------------------------- buckets

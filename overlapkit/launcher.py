@@ -50,7 +50,7 @@ import warnings
 import cloudpickle
 import torch.distributed as dist
 
-from . import _rank, p2p, runtime
+from . import _rank, handles, p2p, runtime
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -570,6 +570,7 @@ def _under_torchrun() -> bool:
 def _destroy_group() -> None:
     if dist.is_initialized():
         with contextlib.suppress(Exception):
+            p2p.forget_private_groups()
             dist.destroy_process_group()
 
 
@@ -599,6 +600,7 @@ def _launch_in_place(fn, args, kwargs, world_size, backend, link=None):
         atexit.register(_destroy_group)
     p2p.set_link(link)
     value = fn(*args, **kwargs)
+    handles.report_unwaited()
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
     return values

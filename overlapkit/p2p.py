@@ -5,9 +5,8 @@ The kit's collectives are built from these four calls::
     send(tensor, dst)              recv(tensor, src)
     isend(tensor, dst) -> handle   irecv(tensor, src) -> handle
 
-With no link they are torch.distributed's own (a pass-through). With a
-:class:`Link` — ``ok.launch(fn, world_size=4, link=ok.Link(50, 1))`` — each
-message also pays the link's cost, modelled like a NIC::
+With a :class:`Link` — ``ok.launch(fn, world_size=4, link=ok.Link(50, 1))`` —
+each message also pays the link's cost, modelled like a NIC::
 
     sender's outgoing link   |== S/B ==|== S/B ==|          messages leave one after another
     receiver's incoming link       |== S/B ==|== S/B ==|    and arrive one after another
@@ -23,18 +22,34 @@ message also pays the link's cost, modelled like a NIC::
   see :mod:`overlapkit.shm` — loopback sockets would be slower than the link
   being emulated), else through the process group.
 
-Each message comes with a small header — through a named pipe next to the
-shared memory, or through the process group — holding the sender's departure
-time (on the machine's shared monotonic clock: the receiver needs it to know
-when the message arrives), its size, and where its bytes are. Messages
-between a pair of ranks match in order.
+**What matches what.** Messages travel in *streams*, and a receive only ever
+matches a send of the same stream, group and pair of ranks, in the order they
+were posted (as NCCL matches, and whatever tags say):
+
+* the **user** stream: your own ``ok.p2p`` calls (a learner's ring, a
+  pipeline's activations);
+* the **kit** stream: the messages of the kit's collectives. They travel in
+  process groups and shared-memory channels of the kit's own, so they never
+  pair with your ``ok.p2p`` messages nor with your ``dist.all_reduce`` or
+  ``dist.send`` calls, even while both are in flight on the same ranks.
+
+Kit collectives run one at a time per rank, in the order they were issued
+(see :mod:`overlapkit.collectives`); each one first tells its peers which
+operation it is (number, op, size, dtype, issuing thread and line) and checks
+what its peers announced, so ranks that disagree get a clear error naming
+both calls instead of exchanging the wrong bytes.
+
+Every handle is honest: ``wait(timeout=)`` honours its timeout, and a handle
+never waited is reported when the launched function returns.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import queue
+import struct
 import sys
 import threading
 import time
@@ -43,12 +58,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import shm
+from . import handles, shm
 
-#: tag of the kit's messages, so they never match a learner's own dist.send/recv
+#: tags of the user stream's messages through a process group, apart from a learner's
+#: own dist.send/recv (tag 0); the kit stream has process groups of its own
 KIT_TAG = 7171
 #: tag of message bodies that travel through the process group under a link
 KIT_DATA_TAG = KIT_TAG + 1
+_BEGIN_TAG = KIT_TAG + 2
+USER, KIT = "user", "kit"
 
 
 @dataclass(frozen=True)
@@ -106,6 +124,8 @@ class _LinkState:
 
 
 _link: _LinkState | None = None
+#: the path of messages that cost nothing on the emulated link (the kit's announcements)
+_FREE = _LinkState(Link(0, 1e9))
 _channels: shm.Channels | None = None
 
 
@@ -134,12 +154,18 @@ def use_shared_memory(directory: str | None) -> None:
     _channels = shm.Channels(directory, dist.get_rank()) if directory else None
 
 
+def shared_memory_usage() -> dict | None:
+    """This rank's /dev/shm use by the emulated link (None without shared memory)."""
+    return _channels.usage() if _channels is not None else None
+
+
 def current_link() -> Link | None:
     return _link.link if _link is not None else None
 
 
-def _sleep_until(deadline: float) -> None:
-    delay = deadline - time.perf_counter()
+def _sleep_until(deadline: float, timeout_at: float | None = None) -> None:
+    end = deadline if timeout_at is None else min(deadline, timeout_at)
+    delay = end - time.perf_counter()
     if delay > 0:
         time.sleep(delay)  # sleeping, not spinning: the cores stay free for compute
 
@@ -148,82 +174,322 @@ def _group_name(group) -> str:
     return (group if group is not None else dist.group.WORLD).group_name
 
 
-class _OnTheLink:
-    """A message over the emulated link: once its done time is known, ``wait()``
-    sleeps until then; ``is_completed()`` polls the same without blocking.
+# --------------------------------------------------------------------------- the kit stream
 
-    Subclasses say how the done time becomes known: :meth:`_settle` blocks
-    until it is, :meth:`_settled` tells without blocking.
+
+class Op:
+    """A kit collective as its messages describe it: its number on its group and a
+    signature of (collective, size, dtype, op, issuing thread), so that a peer
+    running a different operation is told, not fed the wrong bytes."""
+
+    def __init__(self, group, seq: int, signature: int, description: str):
+        self.group, self.seq, self.signature = group, seq, signature
+        self.description = description
+        self.check = True
+
+
+_local = threading.local()
+
+
+def current_op() -> Op | None:
+    """The kit collective running on this thread, if any: its messages go in the kit stream."""
+    return getattr(_local, "op", None)
+
+
+@contextlib.contextmanager
+def running(op: Op | None):
+    previous, _local.op = current_op(), op
+    try:
+        yield
+    finally:
+        _local.op = previous
+
+
+class CollectiveMismatchError(ValueError):
+    """Ranks called a collective with tensors or ops that do not match."""
+
+
+def _mismatch(op: Op, peer: int, seq: int, signature: int, description: str):
+    me = dist.get_rank()
+    if seq == op.seq and signature == op.signature:
+        return None
+    return CollectiveMismatchError(
+        f"rank {me} and rank {peer} disagree on kit operation #{op.seq} of their group: "
+        f"rank {me} runs {op.description}; rank {peer} runs "
+        f"{description or 'something else'} (its operation #{seq}). Every rank must issue "
+        "the same kit collectives, with the same size, dtype and op, in the same order "
+        "(also when they are issued from several threads)."
+    )
+
+
+_private: dict = {}
+_private_lock = threading.Lock()
+
+
+def _kit_group(group, device: torch.device):
+    """The kit's own process group over ``group``'s ranks, for the kit stream's bytes.
+
+    Made straight from the default store, outside torch's group registry, so
+    making it needs no collective on the user's groups: each member makes it
+    when it runs its first kit collective on ``group`` (which every member runs).
     """
+    name, kind = _group_name(group), device.type
+    with _private_lock:
+        pg = _private.get((name, kind))
+        if pg is None:
+            from datetime import timedelta
 
-    _done_at = 0.0
-    _slept = False
+            import torch.distributed.distributed_c10d as c10d
 
-    def _settle(self) -> None:
+            store = dist.PrefixStore(f"overlapkit/{kind}/{name}", c10d._get_default_store())
+            me, size = dist.get_rank(group), dist.get_world_size(group)
+            if kind == "cuda":
+                pg = dist.ProcessGroupNCCL(store, me, size)
+            else:
+                pg = dist.ProcessGroupGloo(store, me, size, timedelta(seconds=3600))
+            _private[(name, kind)] = pg
+        return pg
+
+
+def forget_private_groups() -> None:
+    """Drop the kit's process groups (before the default group is destroyed)."""
+    with _private_lock:
+        _private.clear()
+
+
+def _to_pg_rank(group, rank: int) -> int:
+    return rank if group is None else dist.get_group_rank(group, rank)
+
+
+def _pg_send(tensor: torch.Tensor, dst: int, group, tag: int):
+    """Start sending through the stream's process group; the user stream uses ``group``."""
+    if current_op() is None:
+        return dist.isend(tensor, dst, group=group, tag=tag)
+    return _kit_group(group, tensor.device).send([tensor], _to_pg_rank(group, dst), tag)
+
+
+def _pg_recv(tensor: torch.Tensor, src: int, group, tag: int):
+    if current_op() is None:
+        return dist.irecv(tensor, src, group=group, tag=tag)
+    return _kit_group(group, tensor.device).recv([tensor], _to_pg_rank(group, src), tag)
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    """A small received tensor on the host, without synchronising the caller's CUDA stream."""
+    if tensor.device.type != "cuda":
+        return tensor
+    side = torch.cuda.Stream(tensor.device)
+    with torch.cuda.stream(side):
+        side.wait_stream(torch.cuda.current_stream(tensor.device))
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        out.copy_(tensor, non_blocking=True)
+    side.synchronize()  # this side stream only, not the device
+    return out
+
+
+# --------------------------------------------------------------------------- handles
+
+
+class _Message(handles.Tracked):
+    """A handle of one message. ``wait(timeout=)`` raises TimeoutError after
+    ``timeout`` seconds; a failure is raised by ``wait()``."""
+
+    what = "p2p message"
+
+    def __init__(self):
+        super().__init__(self.what, kit=current_op() is not None)
+
+    def _settle(self, timeout_at: float | None) -> None:
+        """Block until the message is through (or raise TimeoutError at ``timeout_at``)."""
         raise NotImplementedError
 
-    def _settled(self) -> bool:
+    def _finished(self) -> bool:
         raise NotImplementedError
 
-    def wait(self, timeout=None) -> bool:
-        if not self._slept:
-            self._settle()
-            _sleep_until(self._done_at)
-            self._slept = True
-        return True
+    def _wait(self, timeout_at):
+        self._settle(timeout_at)
 
     def is_completed(self) -> bool:
-        return self._slept or (self._settled() and time.perf_counter() >= self._done_at)
+        return self._finished()
 
 
-class _Handle(_OnTheLink):
-    """A message being sent: done once its last byte has left the outgoing link."""
+def _deadline(timeout) -> float | None:
+    return None if timeout is None else time.perf_counter() + float(timeout)
 
-    def __init__(self, works, done_at: float):
-        self._works = works
-        self._done_at = done_at
 
-    def _settle(self) -> None:
-        for w in self._works:
+def _poll_until(done, timeout_at: float | None, what: str) -> None:
+    """Wait for ``done()`` by polling (sleeps up to 1 ms), or raise TimeoutError."""
+    pause = 20e-6
+    while not done():
+        if timeout_at is not None and time.perf_counter() >= timeout_at:
+            raise TimeoutError(f"{what}: not complete when wait(timeout=) ran out")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+
+def _wait_works(works, timeout_at: float | None, what: str) -> None:
+    if timeout_at is None:
+        for w in works:
             w.wait()
+    else:
+        _poll_until(lambda: all(w.is_completed() for w in works), timeout_at, what)
 
-    def _settled(self) -> bool:
+
+class _Plain(_Message):
+    """A message through a process group without a link; a non-contiguous receive
+    lands in a contiguous buffer first (``finish`` copies it into place)."""
+
+    def __init__(self, works, describe: str, finish=None, check=None):
+        self.what = describe
+        super().__init__()
+        self._works, self._finish, self._check = works, finish, check
+
+    def _settle(self, timeout_at):
+        if self._check is not None:  # the peer's announcement of its operation
+            self._check.wait(timeout_at)
+        _wait_works(self._works, timeout_at, self.what)
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+
+    def _finished(self) -> bool:
         return all(w.is_completed() for w in self._works)
 
 
-def _shared_memory(tensor: torch.Tensor) -> bool:
-    """Whether a message's bytes and header go through shared memory (else the group)."""
-    return _channels is not None and tensor.device.type == "cpu"
+class _OnTheLink(_Message):
+    """A message over the emulated link: once its done time is known, ``wait()``
+    sleeps until then; ``is_completed()`` polls the same without blocking."""
+
+    _done_at = 0.0
+
+    def _through(self, timeout_at) -> None:
+        raise NotImplementedError
+
+    def _through_yet(self) -> bool:
+        raise NotImplementedError
+
+    def _settle(self, timeout_at):
+        self._through(timeout_at)
+        _sleep_until(self._done_at, timeout_at)
+        if time.perf_counter() < self._done_at:
+            raise TimeoutError(f"{self.what}: still on the link when wait(timeout=) ran out")
+
+    def _finished(self) -> bool:
+        return self._through_yet() and time.perf_counter() >= self._done_at
 
 
-def isend(tensor: torch.Tensor, dst: int, group=None):
-    """Start sending ``tensor`` to global rank ``dst``; returns a handle with ``wait()``."""
-    state = _link
-    if state is None:
-        return dist.isend(tensor, dst, group=group, tag=KIT_TAG)
-    nbytes = tensor.numel() * tensor.element_size()
-    if _shared_memory(tensor):
-        out = _channels.outgoing(_group_name(group), dst)
-        with out.lock:  # headers leave in the order their bytes were placed
-            departed, last_byte = state.depart(nbytes)
-            placed = out.put(tensor)
-            works = []
-            if placed is None:  # no room in the ring: the process group moves this one
-                works.append(dist.isend(tensor, dst, group=group, tag=KIT_DATA_TAG))
-            out.post(departed, nbytes, *(placed or (-1, 0)))
-        return _Handle(works, last_byte)
-    departed, last_byte = state.depart(nbytes)
-    header = torch.tensor([departed, nbytes, -1, 0], dtype=torch.float64)
-    works = [
-        dist.isend(header.to(tensor.device), dst, group=group, tag=KIT_TAG),
-        dist.isend(tensor, dst, group=group, tag=KIT_DATA_TAG),
-    ]
-    return _Handle(works, last_byte)
+class _Send(_OnTheLink):
+    """A message being sent: done once its bytes are placed and its last byte left
+    the outgoing link."""
+
+    def __init__(self, describe: str, done_at: float, works=(), placed=None):
+        self.what = describe
+        super().__init__()
+        self._works, self._done_at = list(works), done_at
+        self.placed = placed  # set when the bytes are all in shared memory
+
+    def _through(self, timeout_at):
+        if self.placed is not None:
+            remaining = None if timeout_at is None else timeout_at - time.perf_counter()
+            if not self.placed.wait(remaining):
+                raise TimeoutError(f"{self.what}: the receiver has not made room for it yet")
+        _wait_works(self._works, timeout_at, self.what)
+
+    def _through_yet(self) -> bool:
+        placed = self.placed is None or self.placed.is_set()
+        return placed and all(w.is_completed() for w in self._works)
+
+
+def _describe(kind: str, tensor: torch.Tensor, peer_word: str, peer: int) -> str:
+    op = current_op()
+    where = f" in {op.description.split(',')[0]}" if op is not None else ""
+    return (
+        f"{kind} of {tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} "
+        f"{peer_word} rank {peer}{where}"
+    )
+
+
+# --------------------------------------------------------------------------- shared memory
+
+
+class _Pusher:
+    """Moves into a channel the messages that found no room, in order, segment by
+    segment as the receiver frees space — so ``isend`` never blocks, whatever is
+    in flight (a NIC's queue of pending work)."""
+
+    SEGMENT = 4 << 20
+
+    def __init__(self, out: shm.Outgoing):
+        self.out = out
+        self.queue: collections.deque = collections.deque()
+        self.running = False
+
+    def add(self, job) -> None:  # call with out.lock held
+        self.queue.append(job)
+        if not self.running:
+            self.running = True
+            threading.Thread(target=self._run, name="overlapkit-pusher", daemon=True).start()
+
+    def _run(self) -> None:
+        out = self.out
+        pause = 20e-6
+        while True:
+            with out.lock:
+                if not self.queue:
+                    self.running = False
+                    return
+                src, sent, header, handle = self.queue[0]
+                n = min(src.numel() - sent, self.SEGMENT)
+                placed = out.put(src[sent : sent + n])
+                if placed is None and n > 65536:
+                    placed = out.put(src[sent : sent + 65536])  # small space: smaller steps
+                    n = 65536
+                if placed is not None:
+                    out.post(header(placed, sent, n))
+                    sent += n
+                    if sent == src.numel():
+                        self.queue.popleft()
+                        handle.placed.set()
+                    else:
+                        self.queue[0] = (src, sent, header, handle)
+                    pause = 20e-6
+                    continue
+            time.sleep(pause)  # wait for the receiver to free space
+            pause = min(pause * 2, 1e-3)
+
+
+_pushers: dict = {}
+
+
+def _send_shared(tensor: torch.Tensor, dst: int, group, state: _LinkState) -> _Send:
+    op = current_op()
+    namespace = f"{KIT if op else USER}-{_group_name(group)}"
+    out = _channels.outgoing(namespace, dst)
+    src = shm.byte_view(tensor.contiguous())
+    nbytes = src.numel()
+    seq, signature = (op.seq, op.signature) if op else (0, 0)
+
+    def header(placed, first, length):
+        offset, msg_id = placed
+        return shm.pack_header(departed, nbytes, offset, msg_id, seq, signature, first, length)
+
+    with out.lock:  # headers leave in the order their bytes were placed
+        departed, last_byte = state.depart(nbytes)
+        handle = _Send(_describe("send", tensor, "to", dst), last_byte)
+        pusher = _pushers.get(id(out))
+        placed = None if pusher is not None and pusher.queue else out.put(src)
+        if placed is not None:
+            out.post(header(placed, 0, nbytes))
+        else:  # no room now: queued behind what is pending, pushed as space frees
+            handle.placed = threading.Event()
+            _pushers.setdefault(id(out), _Pusher(out)).add((src, 0, header, handle))
+    return handle
 
 
 class _Inbox:
-    """Messages from one sender in one group, landed in the order they were sent (so the
-    shared-memory ring is freed in order, and the incoming link reserved in order).
+    """Messages from one sender in one stream and group, landed in the order they
+    were sent (so shared memory is freed in order, and the incoming link reserved
+    in order).
 
     Through shared memory, a thread of the inbox lands them as their headers
     come in — like a NIC, it moves the bytes while the rank computes or waits
@@ -253,94 +519,182 @@ class _Inbox:
     def _land_in_order(self, incoming: shm.Incoming) -> None:
         while True:
             receive = self.queue.get()
-            receive.land(incoming.read_header, incoming)
+            receive.land_shared(incoming)
 
-    def finish(self, receive: _Receive) -> None:
+    def finish(self, receive: _Receive, timeout_at: float | None) -> None:
         """Return once ``receive`` has landed."""
         if self.queue is None:
             with self.lock:
                 while not receive.landed.is_set():
-                    head = self.pending.popleft()
-                    head.land(head.header_from_group, None)
-        receive.landed.wait()
+                    head = self.pending[0]
+                    head.land_from_group(timeout_at)
+                    self.pending.popleft()
+        remaining = None if timeout_at is None else max(0.0, timeout_at - time.perf_counter())
+        if not receive.landed.wait(remaining):
+            raise TimeoutError(f"{receive.what}: nothing arrived before wait(timeout=) ran out")
 
 
 _inboxes: dict = {}
 _inboxes_lock = threading.Lock()
 
 
-def _inbox(group_name: str, src: int, shared: bool) -> _Inbox:
-    key = (group_name, src, shared)
+def _inbox(namespace: str, src: int, shared: bool) -> _Inbox:
+    key = (namespace, src, shared)
     with _inboxes_lock:
         if key not in _inboxes:
-            _inboxes[key] = _Inbox(_channels.incoming(group_name, src) if shared else None)
+            _inboxes[key] = _Inbox(_channels.incoming(namespace, src) if shared else None)
         return _inboxes[key]
+
+
+#: a header through a process group: departed, bytes, op number, op signature
+_GROUP_HEADER = 4
 
 
 class _Receive(_OnTheLink):
     """A message being received: done α after its last byte came in on the incoming link."""
 
     def __init__(self, tensor: torch.Tensor, src: int, group, state: _LinkState):
+        self.what = _describe("receive", tensor, "from", src)
+        super().__init__()
         self._tensor, self._src, self._group, self._state = tensor, src, group, state
+        self._op = current_op()
         self.landed = threading.Event()
         self._error: BaseException | None = None
-        self._data_work = None
-        self._inbox = _inbox(_group_name(group), src, _shared_memory(tensor))
+        shared = _shared_memory(tensor)
+        namespace = f"{KIT if self._op else USER}-{_group_name(group)}"
+        self._inbox = _inbox(namespace, src, shared)
         self._inbox.post(self)
 
-    def post_to_group(self) -> None:
-        """Post the header's and the bytes' receives together: NCCL matches messages
-        between two ranks in order and ignores tags."""
-        self._header = torch.empty(4, dtype=torch.float64, device=self._tensor.device)
-        self._header_work = dist.irecv(self._header, self._src, group=self._group, tag=KIT_TAG)
-        self._data_work = dist.irecv(self._tensor, self._src, group=self._group, tag=KIT_DATA_TAG)
+    def _expected(self) -> int:
+        return self._tensor.numel() * self._tensor.element_size()
 
-    def header_from_group(self) -> tuple:
-        self._header_work.wait()
-        return self._header.tolist()
+    def _check(self, nbytes: int, seq: int, signature: int) -> None:
+        if self._op is not None and (seq, signature) != (self._op.seq, self._op.signature):
+            raise _mismatch(self._op, self._src, seq, signature, "")
+        if nbytes != self._expected():
+            t = self._tensor
+            raise RuntimeError(
+                f"rank {dist.get_rank()} posted a receive of {self._expected()} bytes "
+                f"({tuple(t.shape)} {t.dtype}) from rank {self._src}, "
+                f"but rank {self._src} sent {nbytes} bytes"
+            )
 
-    def land(self, read_header, incoming: shm.Incoming | None) -> None:
-        """Header in; copy the bytes out (or receive them); reserve the incoming link."""
+    def land_shared(self, incoming: shm.Incoming) -> None:
+        """Headers in (one per segment); copy the bytes out; reserve the incoming link."""
         try:
-            departed, nbytes, offset, end = read_header()
-            expected = self._tensor.numel() * self._tensor.element_size()
-            if int(nbytes) != expected:
-                raise RuntimeError(
-                    f"rank {dist.get_rank()} posted a receive of {expected} bytes "
-                    f"({tuple(self._tensor.shape)} {self._tensor.dtype}) from rank {self._src}, "
-                    f"but rank {self._src} sent {int(nbytes)} bytes"
+            target = self._tensor if self._tensor.is_contiguous() else None
+            flat = shm.byte_view(target if target is not None else torch.empty_like(
+                self._tensor, memory_format=torch.contiguous_format))  # fmt: skip
+            got = 0
+            while True:
+                departed, nbytes, offset, msg_id, seq, signature, first, length = (
+                    incoming.read_header()
                 )
-            if offset >= 0:
-                incoming.get(self._tensor, int(offset), int(end))
-            elif self._data_work is not None:
-                self._data_work.wait()
-            else:  # too big for the shared ring: the sender sent it through the group
-                dist.irecv(self._tensor, self._src, group=self._group, tag=KIT_DATA_TAG).wait()
-            self._done_at = self._state.arrive(departed, expected)
+                try:
+                    self._check(nbytes, seq, signature)
+                    incoming.copy_out(flat[first : first + length], offset)
+                finally:
+                    incoming.free(msg_id)
+                got += length
+                if got >= nbytes:
+                    break
+            if target is None:
+                self._tensor.copy_(flat.view(self._tensor.dtype).view(self._tensor.shape))
+            self._done_at = self._state.arrive(departed, nbytes)
         except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
             self._error = exc
         finally:
             self.landed.set()
 
-    def _settle(self) -> None:
-        self._inbox.finish(self)
+    def post_to_group(self) -> None:
+        """Post the header's and the bytes' receives together: NCCL matches messages
+        between two ranks in order and ignores tags."""
+        t = self._tensor
+        self._buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        self._header = torch.empty(_GROUP_HEADER, dtype=torch.float64, device=t.device)
+        self._header_work = _pg_recv_as(self._op, self._header, self._src, self._group, KIT_TAG)
+        self._data_work = _pg_recv_as(self._op, self._buf, self._src, self._group, KIT_DATA_TAG)
+
+    def land_from_group(self, timeout_at) -> None:
+        try:
+            _wait_works([self._header_work], timeout_at, self.what)
+            departed, nbytes, seq, signature = _host(self._header).tolist()
+            self._check(int(nbytes), int(seq), int(signature))
+            _wait_works([self._data_work], timeout_at, self.what)
+            if self._buf is not self._tensor:
+                self._tensor.copy_(self._buf)
+            self._done_at = self._state.arrive(departed, int(nbytes))
+        except TimeoutError:
+            raise  # not landed: a later wait may still land it
+        except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+            self._error = exc
+        self.landed.set()
+
+    def _through(self, timeout_at) -> None:
+        self._inbox.finish(self, timeout_at)
         if self._error is not None:
             raise self._error
 
-    def _settled(self) -> bool:
+    def _through_yet(self) -> bool:
         if self.landed.is_set():
             return True
         if self._inbox.queue is not None or not self._header_work.is_completed():
             return False
-        self._inbox.finish(self)  # through the group: its header is in, land it here
-        return True
+        with contextlib.suppress(TimeoutError):
+            self._inbox.finish(self, time.perf_counter() + 1e-3)
+        return self.landed.is_set()
+
+
+def _pg_recv_as(op, tensor, src, group, tag):
+    with running(op):  # the inbox thread posts on behalf of the op's thread
+        return _pg_recv(tensor, src, group, tag)
+
+
+def _shared_memory(tensor: torch.Tensor) -> bool:
+    """Whether a message's bytes and header go through shared memory (else the group)."""
+    return _channels is not None and tensor.device.type == "cpu"
+
+
+# --------------------------------------------------------------------------- the four calls
+
+
+def isend(tensor: torch.Tensor, dst: int, group=None):
+    """Start sending ``tensor`` to global rank ``dst``; returns a handle with ``wait()``."""
+    return _isend(tensor, dst, group, _link)
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None):
     """Start receiving into ``tensor`` from global rank ``src``; returns a handle."""
-    if _link is None:
-        return dist.irecv(tensor, src, group=group, tag=KIT_TAG)
-    return _Receive(tensor, src, group, _link)
+    return _irecv(tensor, src, group, _link)
+
+
+def _isend(tensor: torch.Tensor, dst: int, group, state: _LinkState | None, tag=KIT_TAG):
+    if state is not None and _shared_memory(tensor):
+        return _send_shared(tensor, dst, group, state)
+    data = tensor.contiguous()
+    describe = _describe("send", tensor, "to", dst)
+    if state is None:
+        return _Plain([_pg_send(data, dst, group, tag)], describe)
+    nbytes = data.numel() * data.element_size()
+    departed, last_byte = state.depart(nbytes)
+    op = current_op()
+    seq, signature = (op.seq, op.signature) if op else (0, 0)
+    header = torch.tensor([departed, nbytes, seq, signature], dtype=torch.float64)
+    works = [
+        _pg_send(header.to(tensor.device), dst, group, KIT_TAG),
+        _pg_send(data, dst, group, KIT_DATA_TAG),
+    ]
+    return _Send(describe, last_byte, works)
+
+
+def _irecv(tensor: torch.Tensor, src: int, group, state: _LinkState | None, tag=KIT_TAG):
+    if state is not None:
+        return _Receive(tensor, src, group, state)
+    describe = _describe("receive", tensor, "from", src)
+    if tensor.is_contiguous():
+        return _Plain([_pg_recv(tensor, src, group, tag)], describe)
+    buf = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+    return _Plain([_pg_recv(buf, src, group, tag)], describe, lambda: tensor.copy_(buf))
 
 
 def send(tensor: torch.Tensor, dst: int, group=None) -> None:
@@ -354,3 +708,43 @@ def recv(tensor: torch.Tensor, src: int, group=None) -> None:
 def wait_all(handles) -> None:
     for h in handles:
         h.wait()
+
+
+# --------------------------------------------------------------------------- announcements
+
+#: an announcement: op number, signature, then the op's description in UTF-8
+_ANNOUNCE = struct.Struct("<qqH")
+_ANNOUNCE_BYTES = 512
+
+
+def _announcement(op: Op, device) -> torch.Tensor:
+    text = op.description.encode()[: _ANNOUNCE_BYTES - _ANNOUNCE.size]
+    raw = _ANNOUNCE.pack(op.seq, op.signature, len(text)) + text
+    buf = torch.zeros(_ANNOUNCE_BYTES, dtype=torch.uint8)
+    buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return buf.to(device)
+
+
+def _read_announcement(buf: torch.Tensor) -> tuple[int, int, str]:
+    raw = bytes(_host(buf).tolist())
+    seq, signature, n = _ANNOUNCE.unpack_from(raw)
+    return seq, signature, raw[_ANNOUNCE.size : _ANNOUNCE.size + n].decode("utf-8", "replace")
+
+
+def announce_and_check(to: list[int], frm: list[int], group, device) -> None:
+    """Tell the ranks in ``to`` which operation this is; check what the ranks in
+    ``frm`` announced (the kit op's first messages, so a mismatch is caught
+    before any data moves). Raises :class:`CollectiveMismatchError`."""
+    op = current_op()
+    # in the data's own order (so it is checked before any data lands), but over a
+    # link that costs nothing: the α-β model has no term for it, and a NIC none
+    free = _FREE if _link is not None else None
+    sends = [_isend(_announcement(op, device), dst, group, free, _BEGIN_TAG) for dst in to]
+    boxes = [torch.empty(_ANNOUNCE_BYTES, dtype=torch.uint8, device=device) for _ in frm]
+    recvs = [_irecv(box, src, group, free, _BEGIN_TAG) for box, src in zip(boxes, frm, strict=True)]
+    for src, handle, box in zip(frm, recvs, boxes, strict=True):
+        handle.wait()
+        error = _mismatch(op, src, *_read_announcement(box)) if op.check else None
+        if error is not None:
+            raise error
+    wait_all(sends)

@@ -6,22 +6,23 @@ swapping 4 MiB both ways get about 0.8 GB/s each way, less than a 1 GB/s link,
 and a small message takes 150–300 µs, more than a 50 µs latency. Ranks started
 by ``ok.launch`` share one machine, so each direction between two ranks gets
 
-* a ring buffer in a file under ``/dev/shm`` for the bytes (memcpy speed), and
+* a file under ``/dev/shm`` for the bytes (memcpy speed), and
 * a named pipe for the headers (wakes the receiver in a few µs)::
 
-    sender ──copy──► [ ....|msg 3|msg 4|.......... ] ──copy──► receiver
-                            ▲head        ▲tail
-                      (receiver moves)  (sender moves)
-    sender ──header (departure time, size, where)──► pipe ──► receiver
+    sender ──copy──► [ msg 5 |....| msg 3 | msg 4 |....... ] ──copy──► receiver
+    sender ──header (departure, size, where, op #, op signature)──► pipe ──► receiver
 
-* the sender appends a message at ``tail`` and then writes its header; the
-  receiver reads the header (so the bytes are already there), copies the
-  message out and advances ``head``, which lives in the shared file;
-* a message that does not fit the free space is not waited for (a sender that
-  blocks until its receiver drains could deadlock two ranks sending to each
-  other): the caller sends it through the process group instead;
-* when the ring is empty the sender starts again at offset 0, so the pages
-  touched are only as many as the bytes ever in flight at once.
+* the sender places a message in the lowest free space that holds it, copies
+  it in, then writes its header; the receiver reads the header (so the bytes
+  are already there), copies the message out and counts it as freed in the
+  file's first word. Messages are freed in the order they were sent;
+* lowest-free-space placement keeps the pages touched close to the bytes in
+  flight; pages are reserved (``posix_fallocate``) before they are first
+  written, so a full ``/dev/shm`` is a refusal, never a SIGBUS;
+* nothing here ever blocks a sender: a message that finds no room is refused
+  (the caller sends it through the process group instead), and a header that
+  finds the pipe full waits in a backlog that a helper thread writes out, in
+  order, without holding the channel's lock.
 
 The receiver unlinks both files once it has read a first header (both ends
 have them open by then); the launcher removes the directory in any case.
@@ -29,19 +30,23 @@ have them open by then); the launcher removes the directory in any case.
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import mmap
 import os
+import select
 import struct
 import threading
 
 import torch
 
-#: bytes of a channel's ring (virtual: tmpfs only keeps the pages ever touched)
+#: bytes a channel may span (virtual: tmpfs keeps only the pages reserved as used)
 CAPACITY = 256 << 20
-_CONTROL = 64  # the first bytes of the ring file: head counter (int64), then padding
-#: a header: departure time, message bytes, offset in the ring (−1: not in the ring), end counter
-HEADER = struct.Struct("<dqqq")
+_CONTROL = 64  # the first bytes of the file: messages freed (int64), then padding
+_RESERVE_STEP = 1 << 20  # pages are reserved in steps of this many bytes
+#: a header: departure time, message bytes, offset of this segment in the file, segment
+#: id, op number, op signature, the segment's first byte in the message and its length
+HEADER = struct.Struct("<dqqqqqqq")
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -49,73 +54,154 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def _open_pipe(path: str) -> int:
+def _open_pipe(path: str, nonblocking: bool) -> int:
     try:
         os.mkfifo(path, 0o600)
     except FileExistsError:  # the other end made it first
         pass
     # read-write: opening never blocks for the other end (Linux), and a reader never sees EOF
-    fd = os.open(path, os.O_RDWR)
-    try:  # room for many headers in flight before a sender would block
-        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
-    except OSError:
-        pass
+    fd = os.open(path, os.O_RDWR | (os.O_NONBLOCK if nonblocking else 0))
+    for size in (1 << 20, 1 << 16):  # room for many headers; a refusal only means a backlog
+        try:
+            fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
+            break
+        except OSError:
+            continue
     return fd
 
 
-class _Ring:
-    """The mapped ring file: ``head`` (shared counter) and ``data``."""
+class _File:
+    """The mapped channel file: ``freed`` (shared counter of messages copied out) and ``data``."""
 
     def __init__(self, path: str, create: bool):
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, _CONTROL + CAPACITY)
-            self._map = mmap.mmap(fd, _CONTROL + CAPACITY)
-        finally:
-            os.close(fd)
+        self.fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
+        if create:
+            os.ftruncate(self.fd, _CONTROL + CAPACITY)
+            os.posix_fallocate(self.fd, 0, _CONTROL)
+        self._map = mmap.mmap(self.fd, _CONTROL + CAPACITY)
         whole = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.head = whole[:8].view(torch.int64)  # written by the receiver only
+        self.freed = whole[:8].view(torch.int64)  # written by the receiver only
         self.data = whole[_CONTROL:]
 
-    def span(self, offset: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ring's n bytes from ``offset``, as two views: up to the end, then from 0."""
-        first = min(n, CAPACITY - offset)
-        return self.data[offset : offset + first], self.data[: n - first]
+
+class _Placement:
+    """Where messages in flight lie, as runs of address-contiguous messages in send order.
+
+    Messages are freed oldest first, so the oldest run shrinks from its front;
+    a new message extends the newest run when the space after it is the lowest
+    that fits, else it starts a new run there. Placing at the lowest free
+    address keeps the touched span near the bytes in flight.
+    """
+
+    def __init__(self):
+        self.runs: collections.deque = collections.deque()  # [start, end, deque[(id, end)]]
+
+    def free_up_to(self, freed_id: int) -> None:
+        while self.runs:
+            run = self.runs[0]
+            while run[2] and run[2][0][0] <= freed_id:
+                _, end = run[2].popleft()
+                run[0] = end
+            if run[2]:
+                return
+            self.runs.popleft()
+
+    def place(self, n: int, capacity: int) -> int | None:
+        """The lowest offset with ``n`` free bytes, or None."""
+        at = 0
+        for start, end, _ in sorted(self.runs, key=lambda r: r[0]):
+            if start - at >= n:
+                return at
+            at = max(at, end)
+        return at if capacity - at >= n else None
+
+    def add(self, msg_id: int, offset: int, n: int) -> None:
+        if self.runs and self.runs[-1][1] == offset:
+            self.runs[-1][1] = offset + n
+            self.runs[-1][2].append((msg_id, offset + n))
+        else:
+            self.runs.append([offset, offset + n, collections.deque([(msg_id, offset + n)])])
+
+    @property
+    def in_flight(self) -> int:
+        return sum(end - start for start, end, _ in self.runs)
 
 
 class Outgoing:
-    """The sending end of one direction. Counters are absolute byte counts: ``tail``
-    (private) ends everything sent, ``head`` (shared) everything copied out."""
+    """The sending end of one direction."""
 
     def __init__(self, path: str):
-        self._ring = _Ring(path, create=True)
-        self._pipe = _open_pipe(path + ".pipe")
-        self._tail = 0
-        self._write_at = 0
-        #: held from placing the bytes to writing the header: headers go in placement order
+        self._file = _File(path, create=True)
+        self._pipe = _open_pipe(path + ".pipe", nonblocking=True)
+        self._placement = _Placement()
+        self._sent = 0  # ids of messages placed in the file so far
+        self.reserved = _CONTROL  # bytes of the file backed by reserved pages
+        self.peak_in_flight = 0
+        self._backlog: collections.deque = collections.deque()  # headers the pipe had no room for
+        self._flushing = False
+        #: held from placing the bytes to posting the header: headers go in placement order
         self.lock = threading.Lock()
 
     def put(self, tensor: torch.Tensor) -> tuple[int, int] | None:
-        """Copy ``tensor``'s bytes in: (offset, end counter), or None when there is no room."""
+        """Copy ``tensor``'s bytes in: (offset, message id), or None when there is no room."""
         src = byte_view(tensor.contiguous())
         n = src.numel()
-        in_flight = self._tail - int(self._ring.head.item())
-        if in_flight == 0:
-            self._write_at = 0  # drained: reuse the pages already touched
-        if n > CAPACITY - in_flight:
+        self._placement.free_up_to(int(self._file.freed.item()))
+        offset = self._placement.place(n, CAPACITY)
+        if offset is None or not self._reserve(_CONTROL + offset + n):
             return None
-        offset = self._write_at
-        head, tail = self._ring.span(offset, n)  # the message may wrap around the end
-        head.copy_(src[: head.numel()])
-        tail.copy_(src[head.numel() :])
-        self._write_at = (offset + n) % CAPACITY
-        self._tail += n
-        return offset, self._tail
+        self._file.data[offset : offset + n].copy_(src)
+        self._sent += 1
+        self._placement.add(self._sent, offset, n)
+        self.peak_in_flight = max(self.peak_in_flight, self._placement.in_flight)
+        return offset, self._sent
 
-    def post(self, departed: float, nbytes: int, offset: int, end: int) -> None:
-        """Write a header (atomic: far below PIPE_BUF)."""
-        os.write(self._pipe, HEADER.pack(departed, nbytes, offset, end))
+    def _reserve(self, upto: int) -> bool:
+        """Back the file with pages up to ``upto`` bytes; False when the file system is full."""
+        if upto <= self.reserved:
+            return True
+        target = min(_CONTROL + CAPACITY, -(-upto // _RESERVE_STEP) * _RESERVE_STEP)
+        try:
+            os.posix_fallocate(self._file.fd, self.reserved, target - self.reserved)
+        except OSError:  # ENOSPC on a small /dev/shm: refuse, the group carries it
+            return False
+        self.reserved = target
+        return True
+
+    def post(self, header: bytes) -> None:
+        """Queue a header behind the ones before it; never blocks (call with ``lock`` held)."""
+        if not self._backlog:
+            try:
+                os.write(self._pipe, header)  # atomic: far below PIPE_BUF
+                return
+            except BlockingIOError:
+                pass
+        self._backlog.append(header)
+        if not self._flushing:
+            self._flushing = True
+            threading.Thread(target=self._flush, name="overlapkit-headers", daemon=True).start()
+
+    def _flush(self) -> None:
+        """Write the backlog out in order, waiting for room without holding ``lock``."""
+        poller = select.poll()
+        poller.register(self._pipe, select.POLLOUT)
+        while True:
+            with self.lock:
+                if not self._backlog:
+                    self._flushing = False
+                    return
+                header = self._backlog[0]
+            poller.poll(100)
+            try:
+                os.write(self._pipe, header)
+            except BlockingIOError:
+                continue
+            with self.lock:
+                self._backlog.popleft()
+
+
+def pack_header(departed, nbytes, offset, msg_id, seq, signature, first, length) -> bytes:
+    return HEADER.pack(departed, nbytes, offset, msg_id, seq, signature, first, length)
 
 
 class Incoming:
@@ -123,35 +209,36 @@ class Incoming:
 
     def __init__(self, path: str):
         self._path = path
-        self._pipe = _open_pipe(path + ".pipe")
-        self._ring: _Ring | None = None
+        self._pipe = _open_pipe(path + ".pipe", nonblocking=False)
+        self._file: _File | None = None
 
-    def read_header(self) -> tuple[float, int, int, int]:
-        """Block (GIL released) until the next header is in: departed, nbytes, offset, end."""
+    def _read(self, n: int) -> bytes:
         raw = b""
-        while len(raw) < HEADER.size:
-            raw += os.read(self._pipe, HEADER.size - len(raw))
-        if self._ring is None:  # the sender made both files before its first header
-            self._ring = _Ring(self._path, create=False)
+        while len(raw) < n:
+            raw += os.read(self._pipe, n - len(raw))
+        return raw
+
+    def read_header(self) -> tuple:
+        """Block (GIL released) until the next header is in: (departed, nbytes, offset,
+        segment id, op number, op signature, first byte, length)."""
+        fields = HEADER.unpack(self._read(HEADER.size))
+        if self._file is None:  # the sender made both files before its first header
+            self._file = _File(self._path, create=False)
             for path in (self._path, self._path + ".pipe"):
                 os.unlink(path)  # both ends hold them open: nothing left behind on a crash
-        return HEADER.unpack(raw)
+        return fields
 
-    def get(self, into: torch.Tensor, offset: int, end: int) -> None:
-        """Copy a message out into ``into`` and free its space."""
-        contiguous = into.is_contiguous()
-        target = into if contiguous else torch.empty(into.shape, dtype=into.dtype)
-        dst = byte_view(target)
-        head, tail = self._ring.span(offset, dst.numel())
-        dst[: head.numel()].copy_(head)
-        dst[head.numel() :].copy_(tail)
-        if not contiguous:
-            into.copy_(target)
-        self._ring.head.fill_(end)  # one aligned 8-byte store: the sender sees old or new
+    def copy_out(self, into: torch.Tensor, offset: int) -> None:
+        """Copy a segment's bytes out into the flat uint8 tensor ``into``."""
+        into.copy_(self._file.data[offset : offset + into.numel()])
+
+    def free(self, msg_id: int) -> None:
+        """Count segments up to ``msg_id`` as copied out (one aligned 8-byte store)."""
+        self._file.freed.fill_(msg_id)
 
 
 class Channels:
-    """This rank's channels by (process group, peer), made on first use."""
+    """This rank's channels by (namespace, peer), made on first use."""
 
     def __init__(self, directory: str, rank: int):
         self._dir = directory
@@ -159,15 +246,25 @@ class Channels:
         self._made: dict = {}
         self._lock = threading.Lock()
 
-    def _get(self, cls, group_name: str, src: int, dst: int):
-        key = (cls, group_name, src, dst)
+    def _get(self, cls, namespace: str, src: int, dst: int):
+        key = (cls, namespace, src, dst)
         with self._lock:
             if key not in self._made:
-                self._made[key] = cls(os.path.join(self._dir, f"g{group_name}-{src}-{dst}"))
+                self._made[key] = cls(os.path.join(self._dir, f"{namespace}-{src}-{dst}"))
             return self._made[key]
 
-    def outgoing(self, group_name: str, dst: int) -> Outgoing:
-        return self._get(Outgoing, group_name, self._rank, dst)
+    def outgoing(self, namespace: str, dst: int) -> Outgoing:
+        return self._get(Outgoing, namespace, self._rank, dst)
 
-    def incoming(self, group_name: str, src: int) -> Incoming:
-        return self._get(Incoming, group_name, src, self._rank)
+    def incoming(self, namespace: str, src: int) -> Incoming:
+        return self._get(Incoming, namespace, src, self._rank)
+
+    def usage(self) -> dict:
+        """This rank's sending side: bytes of /dev/shm reserved and the peak bytes in flight."""
+        with self._lock:
+            outs = [c for (cls, *_), c in self._made.items() if cls is Outgoing]
+        return {
+            "channels": len(outs),
+            "reserved_bytes": sum(o.reserved for o in outs),
+            "peak_in_flight_bytes": sum(o.peak_in_flight for o in outs),
+        }

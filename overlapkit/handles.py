@@ -1,0 +1,116 @@
+"""Honest handles: an operation you started and never waited is reported, not forgotten.
+
+``ok.p2p.isend`` and ``ok.ring_all_reduce(..., async_op=True)`` return handles.
+Forgetting ``wait()`` is the classic overlap bug: the tensor may still be
+changing, an un-waited send may never be delivered, a failure goes unseen. So
+every handle the learner receives is tracked until it is waited, and when the
+launched function returns (``ok.launch`` or torchrun), :func:`report_unwaited`
+names each one and where it was issued — and re-raises a failure nobody saw.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import warnings
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+_unwaited: dict = {}
+_lock = threading.Lock()
+
+
+def issue_site() -> str:
+    """``file:line`` of the first caller outside overlapkit (the learner's line)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+class UnwaitedOperationWarning(UserWarning):
+    """An operation was started and never waited before the launched function returned."""
+
+
+class Tracked:
+    """Base of the handles given to the learner: ``wait(timeout=None)``, ``is_completed()``.
+
+    ``kit=True`` for handles the kit makes for itself inside its collectives
+    (those wait their own); they are not tracked.
+    """
+
+    def __init__(self, what: str, kit: bool = False):
+        self.what = what
+        self.site = ""
+        self.waited = kit
+        if not kit:
+            self.site = issue_site()
+            with _lock:
+                _unwaited[id(self)] = self
+
+    def _wait(self, timeout_at: float | None) -> None:
+        raise NotImplementedError
+
+    def is_completed(self) -> bool:
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done; raise its failure; TimeoutError after ``timeout`` seconds."""
+        timeout_at = None if timeout is None else time.perf_counter() + float(timeout)
+        try:
+            self._wait(timeout_at)
+        except TimeoutError:
+            raise  # still in flight: a later wait() may finish it
+        except BaseException:
+            self._mark_waited()
+            raise
+        self._mark_waited()
+        return True
+
+    def _mark_waited(self) -> None:
+        if not self.waited:
+            self.waited = True
+            with _lock:
+                _unwaited.pop(id(self), None)
+
+
+def report_unwaited(grace_s: float = 5.0) -> None:
+    """Warn about each handle never waited; raise the first failure among them.
+
+    Each is given up to ``grace_s`` seconds (in all) to finish, so that the
+    report says whether it finished, failed, or was still running.
+    """
+    with _lock:
+        left = list(_unwaited.values())
+        _unwaited.clear()
+    failure = None
+    deadline = time.perf_counter() + grace_s
+    for handle in left:
+        try:
+            handle._wait(deadline)
+            state = "it finished, but nothing made this rank wait for it"
+        except TimeoutError:
+            state = "it was still running"
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            state = f"it FAILED: {type(exc).__name__}: {exc}"
+            failure = failure or (handle, exc)
+        warnings.warn(
+            f"{handle.what} started at {handle.site} was never waited: {state}. "
+            "Call .wait() on every handle before using its tensor (or returning).",
+            UnwaitedOperationWarning,
+            stacklevel=2,
+        )
+    if failure is not None:
+        handle, exc = failure
+        raise RuntimeError(
+            f"{handle.what} started at {handle.site} failed and nobody waited for it: {exc}"
+        ) from exc
+
+
+def forget_all() -> None:
+    """Drop every tracked handle (a new launch in a reused process)."""
+    with _lock:
+        _unwaited.clear()
