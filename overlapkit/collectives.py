@@ -262,7 +262,9 @@ class _Executor:
     def _ensure_worker(self) -> None:
         with self._cond:
             if self._worker is None:
-                self._worker = threading.Thread(target=self._loop, name="overlapkit-comm", daemon=True)
+                self._worker = threading.Thread(
+                    target=self._loop, name="overlapkit-comm", daemon=True
+                )
                 self._worker.start()
 
     def _loop(self) -> None:
