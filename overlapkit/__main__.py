@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     bc.add_argument(
         "--algorithms",
         default=None,
-        help="naive,ring,builtin (default: all; no builtin with --link)",
+        help="naive,ring,ring_async,builtin (default: naive,ring,builtin; no builtin with --link)",
     )
     bc.add_argument(
         "--link", default=None, help="emulate a link: LATENCY_US,BANDWIDTH_GBPS, e.g. 50,1"

@@ -26,11 +26,11 @@ send while its neighbour blocks in a send too, whatever the message size.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
 import hashlib
 import queue
+import re
 import threading
 import time
 
@@ -116,7 +116,11 @@ def _describe_call(name: str, tensor: torch.Tensor, op: str | None, extra: int, 
     """(signature, description) of a kit collective: what its peers must agree on, and
     how an error names it. Deterministic across processes (unlike ``hash``)."""
     dtype = str(tensor.dtype).removeprefix("torch.")
-    key = f"{name}|{tensor.numel()}|{dtype}|{op}|{extra}|{thread}".encode()
+    # a thread's own name tells which stream of work issued the op (a bucketer, a
+    # pipeline stage); Python's automatic "Thread-N" follows creation order, which
+    # may differ between correct ranks, so it does not count
+    named = "" if re.match(r"Thread-\d+", thread) else thread
+    key = f"{name}|{tensor.numel()}|{dtype}|{op}|{extra}|{named}".encode()
     signature = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest()) & ((1 << 52) - 1)
     description = (
         f"{name} of {tensor.numel()} × {dtype}"
@@ -164,23 +168,27 @@ class Handle(handles.Tracked):
 
 
 class _Executor:
-    """Runs this rank's kit operations one at a time, in the order they were issued.
+    """Runs the kit operations of one group on this rank one at a time, in issue order.
 
-    The CPU counterpart of a CUDA communication stream. A synchronous op runs
-    on the caller's thread once every op issued before it has finished; an
-    async one on the communication worker thread. A kit op issued from inside
-    a running one (on the worker: a callback, a bucketer given to
-    :func:`run_async`) runs at once, as part of that one — waiting for its
-    turn there would wait for itself. Each op gets the next number of its
-    group, which its messages carry and its peers check.
+    The CPU counterpart of a CUDA communication stream (one per communicator,
+    as NCCL has): ops of different groups run independently, so two threads
+    that each drive a group of their own never wait for each other. A
+    synchronous op runs on the caller's thread once every op issued before it
+    on its group has finished; an async one on the group's communication
+    worker thread. A kit op issued from inside a running one of the same group
+    (on the worker: a callback, a bucketer given to :func:`run_async`) runs at
+    once, as part of that one — waiting for its turn there would wait for
+    itself. Each op gets the next number of its group, which its messages
+    carry and its peers check.
     """
 
-    def __init__(self):
+    def __init__(self, name: str):
+        self.name = name
         self._cond = threading.Condition()
         self._issued = 0
         self._done = 0
-        self._seq: dict = collections.defaultdict(int)
-        self._broken: dict = {}
+        self._seq = 0
+        self._broken: str | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         self._turn = threading.local()
@@ -193,9 +201,8 @@ class _Executor:
         if call is None:
             return None
         group, signature, description, check = call
-        name = p2p._group_name(group)
-        self._seq[name] += 1
-        op = p2p.Op(group, self._seq[name], signature, description)
+        self._seq += 1
+        op = p2p.Op(group, self._seq, signature, description)
         op.check = check
         return op
 
@@ -235,11 +242,11 @@ class _Executor:
 
     def _execute(self, fn, op, device, ready):
         """Run ``fn`` as ``op``: (result, CUDA event marking its end on the comm stream)."""
-        name = p2p._group_name(op.group) if op is not None else None
-        if name in self._broken:
+        if self._broken is not None:
+            what = op.description if op is not None else "this operation"
             raise RuntimeError(
-                f"{op.description}: not run, because an earlier kit operation on this group "
-                f"failed ({self._broken[name]}); its messages may still be in flight, so "
+                f"{what}: not run, because an earlier kit operation on this group "
+                f"failed ({self._broken}); its messages may still be in flight, so "
                 "nothing later on the group can be trusted"
             )
         was, self._turn.active = self.in_turn(), True
@@ -248,8 +255,8 @@ class _Executor:
                 result = fn()
             return result, done.event
         except BaseException as exc:
-            if name is not None:
-                self._broken[name] = f"{op.description}: {type(exc).__name__}: {exc}"
+            if op is not None:
+                self._broken = f"{op.description}: {type(exc).__name__}: {exc}"
             raise
         finally:
             self._turn.active = was
@@ -263,7 +270,7 @@ class _Executor:
         with self._cond:
             if self._worker is None:
                 self._worker = threading.Thread(
-                    target=self._loop, name="overlapkit-comm", daemon=True
+                    target=self._loop, name=f"overlapkit-comm-{self.name}", daemon=True
                 )
                 self._worker.start()
 
@@ -310,7 +317,16 @@ def _comm_stream(device, ready):
 
 
 _cuda_streams: dict = {}
-_executor = _Executor()
+_executors: dict = {}
+_executors_lock = threading.Lock()
+
+
+def _executor(group) -> _Executor:
+    name = p2p._group_name(group)
+    with _executors_lock:
+        if name not in _executors:
+            _executors[name] = _Executor(name)
+        return _executors[name]
 
 
 def _run(name: str, fn, tensor: torch.Tensor, group, async_op: bool, check: bool,
@@ -319,31 +335,34 @@ def _run(name: str, fn, tensor: torch.Tensor, group, async_op: bool, check: bool
     thread = threading.current_thread().name
     signature, description = _describe_call(name, tensor, op, extra, thread)
     call = (group, signature, description, check)
-    return _executor.issue(fn, call, tensor.device, async_op, description.split(",")[0])
+    what = description.split(",")[0]
+    return _executor(group).issue(fn, call, tensor.device, async_op, what)
 
 
-def run_async(fn) -> Handle:
-    """Run ``fn()`` on the communication worker, in issue order with the kit's collectives.
+def run_async(fn, group=None) -> Handle:
+    """Run ``fn()`` on ``group``'s communication worker, in issue order with the kit's
+    collectives on that group.
 
-    Kit collectives that ``fn`` calls (synchronously) run at once, within its
-    turn: a bucketer that flattens, all-reduces and unflattens can be made
-    asynchronous this way. ``wait()`` re-raises what ``fn`` raised.
+    Kit collectives on ``group`` that ``fn`` calls (synchronously) run at once,
+    within its turn: a bucketer that flattens, all-reduces and unflattens can
+    be made asynchronous this way. ``wait()`` re-raises what ``fn`` raised.
     """
-    handle = _executor.issue(fn, None, None, True, getattr(fn, "__name__", "function"))
-    return handle
+    return _executor(group).issue(fn, None, None, True, getattr(fn, "__name__", "function"))
 
 
-def _announce(group, to: list[int], frm: list[int], device) -> None:
-    """The op's first messages: who it is, checked against what the peers announced."""
+def _announce(group, to: list[int], frm: list[int], device, data_follows: bool) -> None:
+    """The op's first messages: who it is, checked against what the peers announced
+    (``data_follows``: every peer in ``to`` gets data from this op)."""
     op = p2p.current_op()
     if op.check and dist.get_world_size(group) > 1:
-        p2p.announce_and_check(to, frm, group, device)
+        p2p.announce_and_check(to, frm, group, device, data_follows)
 
 
-def _announce_ring(group, device) -> None:
-    """A ring op talks to its two neighbours: announce to the right, check the left."""
-    _, _, left, right = _ring(group)
-    _announce(group, [right], [left], device)
+def _announce_ring(group, device, numel: int) -> None:
+    """A ring op talks to its two neighbours: announce to the right, check the left.
+    With at least one element per chunk, every step sends to the right."""
+    _, world, left, right = _ring(group)
+    _announce(group, [right], [left], device, data_follows=numel >= world)
 
 
 # --------------------------------------------------------------------------- naive
@@ -379,7 +398,7 @@ def _naive(tensor: torch.Tensor, op: str, group, timeline) -> None:
     root = _global_rank(group, 0)
     others = [_global_rank(group, r) for r in range(1, world)]
     peers = others if me == 0 else [root]
-    _announce(group, peers, peers, tensor.device)
+    _announce(group, peers, peers, tensor.device, data_follows=True)
     if me == 0:
         bufs = [torch.empty_like(flat) for _ in others]
         with span("gather from all", "comm"):
@@ -509,7 +528,7 @@ def ring_reduce_scatter(
     _check_sharded_pair("ring_reduce_scatter", ("input", input), ("output", output), world)
 
     def run():
-        _announce_ring(group, input.device)
+        _announce_ring(group, input.device, input.numel())
         acc = input.reshape(-1).clone()  # never modify the caller's input
         bounds = chunk_bounds(acc.numel(), world)
         _ring_reduce_scatter_flat(acc, bounds, op, group)
@@ -540,7 +559,7 @@ def ring_all_gather(
     _check_sharded_pair("ring_all_gather", ("output", output), ("input", input), world)
 
     def run():
-        _announce_ring(group, input.device)
+        _announce_ring(group, input.device, output.numel())
         contiguous = output.is_contiguous()
         buf = (
             output.view(-1)
@@ -582,7 +601,7 @@ def ring_all_reduce(
 
     def run():
         world = dist.get_world_size(group)
-        _announce_ring(group, tensor.device)
+        _announce_ring(group, tensor.device, tensor.numel())
         flat = _flat(tensor)
         bounds = chunk_bounds(flat.numel(), world)
         span = _spans(timeline)

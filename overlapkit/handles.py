@@ -39,17 +39,22 @@ class Tracked:
     """Base of the handles given to the learner: ``wait(timeout=None)``, ``is_completed()``.
 
     ``kit=True`` for handles the kit makes for itself inside its collectives
-    (those wait their own); they are not tracked.
+    (those wait their own); they are not tracked. ``what`` may be a function
+    that returns the text: it is only needed for errors and reports.
     """
 
-    def __init__(self, what: str, kit: bool = False):
-        self.what = what
+    def __init__(self, what, kit: bool = False):
+        self._what = what
         self.site = ""
         self.waited = kit
         if not kit:
             self.site = issue_site()
             with _lock:
                 _unwaited[id(self)] = self
+
+    @property
+    def what(self) -> str:
+        return self._what() if callable(self._what) else self._what
 
     def _wait(self, timeout_at: float | None) -> None:
         raise NotImplementedError

@@ -156,8 +156,9 @@ _code_reduce = getattr(getattr(cloudpickle, "cloudpickle", None), "_code_reduce"
 
 
 def _shm_root() -> str | None:
-    """/dev/shm when this system has a writable one (Linux), else None."""
-    root = "/dev/shm"
+    """Where the emulated link's bytes go: $OVERLAPKIT_SHM_DIR if set, else /dev/shm when
+    this system has a writable one (Linux), else None (a temporary folder)."""
+    root = os.environ.get("OVERLAPKIT_SHM_DIR") or "/dev/shm"
     return root if os.path.isdir(root) and os.access(root, os.W_OK) else None
 
 

@@ -170,8 +170,16 @@ def _sleep_until(deadline: float, timeout_at: float | None = None) -> None:
         time.sleep(delay)  # sleeping, not spinning: the cores stay free for compute
 
 
+_world_name: str | None = None
+
+
 def _group_name(group) -> str:
-    return (group if group is not None else dist.group.WORLD).group_name
+    global _world_name
+    if group is not None:
+        return group.group_name
+    if _world_name is None:  # looked up once: it sits on every message's path
+        _world_name = dist.group.WORLD.group_name
+    return _world_name
 
 
 # --------------------------------------------------------------------------- the kit stream
@@ -186,6 +194,14 @@ class Op:
         self.group, self.seq, self.signature = group, seq, signature
         self.description = description
         self.check = True
+        self.described: set = set()  # peers whose first message carried the description
+
+    def introduce_to(self, peer: int) -> bytes:
+        """The description for the first message to ``peer`` (b"" after that)."""
+        if peer in self.described:
+            return b""
+        self.described.add(peer)
+        return self.description.encode()
 
 
 _local = threading.local()
@@ -253,8 +269,10 @@ def _kit_group(group, device: torch.device):
 
 def forget_private_groups() -> None:
     """Drop the kit's process groups (before the default group is destroyed)."""
+    global _world_name
     with _private_lock:
         _private.clear()
+    _world_name = None
 
 
 def _to_pg_rank(group, rank: int) -> int:
@@ -294,10 +312,8 @@ class _Message(handles.Tracked):
     """A handle of one message. ``wait(timeout=)`` raises TimeoutError after
     ``timeout`` seconds; a failure is raised by ``wait()``."""
 
-    what = "p2p message"
-
-    def __init__(self):
-        super().__init__(self.what, kit=current_op() is not None)
+    def __init__(self, what):
+        super().__init__(what, kit=current_op() is not None)
 
     def _settle(self, timeout_at: float | None) -> None:
         """Block until the message is through (or raise TimeoutError at ``timeout_at``)."""
@@ -339,14 +355,11 @@ class _Plain(_Message):
     """A message through a process group without a link; a non-contiguous receive
     lands in a contiguous buffer first (``finish`` copies it into place)."""
 
-    def __init__(self, works, describe: str, finish=None, check=None):
-        self.what = describe
-        super().__init__()
-        self._works, self._finish, self._check = works, finish, check
+    def __init__(self, works, describe, finish=None):
+        super().__init__(describe)
+        self._works, self._finish = works, finish
 
     def _settle(self, timeout_at):
-        if self._check is not None:  # the peer's announcement of its operation
-            self._check.wait(timeout_at)
         _wait_works(self._works, timeout_at, self.what)
         if self._finish is not None:
             self._finish()
@@ -382,9 +395,8 @@ class _Send(_OnTheLink):
     """A message being sent: done once its bytes are placed and its last byte left
     the outgoing link."""
 
-    def __init__(self, describe: str, done_at: float, works=(), placed=None):
-        self.what = describe
-        super().__init__()
+    def __init__(self, describe, done_at: float, works=(), placed=None):
+        super().__init__(describe)
         self._works, self._done_at = list(works), done_at
         self.placed = placed  # set when the bytes are all in shared memory
 
@@ -400,13 +412,15 @@ class _Send(_OnTheLink):
         return placed and all(w.is_completed() for w in self._works)
 
 
-def _describe(kind: str, tensor: torch.Tensor, peer_word: str, peer: int) -> str:
-    op = current_op()
-    where = f" in {op.description.split(',')[0]}" if op is not None else ""
-    return (
-        f"{kind} of {tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')} "
-        f"{peer_word} rank {peer}{where}"
-    )
+def _describe(kind: str, tensor: torch.Tensor, peer_word: str, peer: int):
+    """The text that names a message in errors, made only when one is needed."""
+    op, shape, dtype = current_op(), tuple(tensor.shape), str(tensor.dtype)
+
+    def text():
+        where = f" in {op.description.split(',')[0]}" if op is not None else ""
+        return f"{kind} of {shape} {dtype.removeprefix('torch.')} {peer_word} rank {peer}{where}"
+
+    return text
 
 
 # --------------------------------------------------------------------------- shared memory
@@ -468,10 +482,14 @@ def _send_shared(tensor: torch.Tensor, dst: int, group, state: _LinkState) -> _S
     src = shm.byte_view(tensor.contiguous())
     nbytes = src.numel()
     seq, signature = (op.seq, op.signature) if op else (0, 0)
+    text = op.introduce_to(dst) if op else b""
 
     def header(placed, first, length):
         offset, msg_id = placed
-        return shm.pack_header(departed, nbytes, offset, msg_id, seq, signature, first, length)
+        intro = text if first == 0 else b""
+        return shm.pack_header(
+            departed, nbytes, offset, msg_id, seq, signature, first, length, intro
+        )
 
     with out.lock:  # headers leave in the order their bytes were placed
         departed, last_byte = state.depart(nbytes)
@@ -554,8 +572,7 @@ class _Receive(_OnTheLink):
     """A message being received: done α after its last byte came in on the incoming link."""
 
     def __init__(self, tensor: torch.Tensor, src: int, group, state: _LinkState):
-        self.what = _describe("receive", tensor, "from", src)
-        super().__init__()
+        super().__init__(_describe("receive", tensor, "from", src))
         self._tensor, self._src, self._group, self._state = tensor, src, group, state
         self._op = current_op()
         self.landed = threading.Event()
@@ -568,9 +585,10 @@ class _Receive(_OnTheLink):
     def _expected(self) -> int:
         return self._tensor.numel() * self._tensor.element_size()
 
-    def _check(self, nbytes: int, seq: int, signature: int) -> None:
-        if self._op is not None and (seq, signature) != (self._op.seq, self._op.signature):
-            raise _mismatch(self._op, self._src, seq, signature, "")
+    def _check(self, nbytes: int, seq: int, signature: int, description: str = "") -> None:
+        op = self._op
+        if op is not None and op.check and (seq, signature) != (op.seq, op.signature):
+            raise _mismatch(op, self._src, seq, signature, description)
         if nbytes != self._expected():
             t = self._tensor
             raise RuntimeError(
@@ -587,11 +605,11 @@ class _Receive(_OnTheLink):
                 self._tensor, memory_format=torch.contiguous_format))  # fmt: skip
             got = 0
             while True:
-                departed, nbytes, offset, msg_id, seq, signature, first, length = (
+                departed, nbytes, offset, msg_id, seq, signature, first, length, text = (
                     incoming.read_header()
                 )
                 try:
-                    self._check(nbytes, seq, signature)
+                    self._check(nbytes, seq, signature, text)
                     incoming.copy_out(flat[first : first + length], offset)
                 finally:
                     incoming.free(msg_id)
@@ -731,11 +749,20 @@ def _read_announcement(buf: torch.Tensor) -> tuple[int, int, str]:
     return seq, signature, raw[_ANNOUNCE.size : _ANNOUNCE.size + n].decode("utf-8", "replace")
 
 
-def announce_and_check(to: list[int], frm: list[int], group, device) -> None:
+def announce_and_check(to: list[int], frm: list[int], group, device, data_follows: bool) -> None:
     """Tell the ranks in ``to`` which operation this is; check what the ranks in
-    ``frm`` announced (the kit op's first messages, so a mismatch is caught
-    before any data moves). Raises :class:`CollectiveMismatchError`."""
+    ``frm`` announced. Raises :class:`CollectiveMismatchError`.
+
+    Through shared memory every header carries the op's number and signature,
+    and an op's first message to a peer its description, so when data will
+    flow to every peer in ``to`` (``data_follows``) that *is* the announcement,
+    at no cost. Otherwise — an op with nothing to send to some peer, or a
+    process group in between — it is a small message of its own, in the data's
+    order, so a mismatch is caught before any data lands.
+    """
     op = current_op()
+    if data_follows and _link is not None and _channels is not None and device.type == "cpu":
+        return
     # in the data's own order (so it is checked before any data lands), but over a
     # link that costs nothing: the α-β model has no term for it, and a NIC none
     free = _FREE if _link is not None else None
@@ -743,7 +770,15 @@ def announce_and_check(to: list[int], frm: list[int], group, device) -> None:
     boxes = [torch.empty(_ANNOUNCE_BYTES, dtype=torch.uint8, device=device) for _ in frm]
     recvs = [_irecv(box, src, group, free, _BEGIN_TAG) for box, src in zip(boxes, frm, strict=True)]
     for src, handle, box in zip(frm, recvs, boxes, strict=True):
-        handle.wait()
+        try:
+            handle.wait()
+        except CollectiveMismatchError:
+            raise
+        except RuntimeError as exc:  # data came where the announcement should be
+            raise CollectiveMismatchError(
+                f"rank {dist.get_rank()} runs {op.description}, but rank {src} sent "
+                f"something else first ({exc})"
+            ) from exc
         error = _mismatch(op, src, *_read_announcement(box)) if op.check else None
         if error is not None:
             raise error

@@ -18,7 +18,10 @@ by ``ok.launch`` share one machine, so each direction between two ranks gets
   file's first word. Messages are freed in the order they were sent;
 * lowest-free-space placement keeps the pages touched close to the bytes in
   flight; pages are reserved (``posix_fallocate``) before they are first
-  written, so a full ``/dev/shm`` is a refusal, never a SIGBUS;
+  written, so a full ``/dev/shm`` is a refusal, never a SIGBUS; a channel
+  that has been drained and idle for a moment gives its pages back, so a
+  small ``/dev/shm`` (64 MiB in many containers) is shared by whoever is
+  sending now;
 * nothing here ever blocks a sender: a message that finds no room is refused
   (the caller sends it through the process group instead), and a header that
   finds the pipe full waits in a backlog that a helper thread writes out, in
@@ -37,16 +40,23 @@ import os
 import select
 import struct
 import threading
+import time
+import weakref
 
 import torch
 
 #: bytes a channel may span (virtual: tmpfs keeps only the pages reserved as used)
 CAPACITY = 256 << 20
 _CONTROL = 64  # the first bytes of the file: messages freed (int64), then padding
+_WORD = struct.Struct("<q")
 _RESERVE_STEP = 1 << 20  # pages are reserved in steps of this many bytes
+#: a channel drained for this long gives back its pages beyond the first step
+IDLE_RELEASE_S = 0.2
 #: a header: departure time, message bytes, offset of this segment in the file, segment
-#: id, op number, op signature, the segment's first byte in the message and its length
-HEADER = struct.Struct("<dqqqqqqq")
+#: id, op number, op signature, the segment's first byte in the message and its length,
+#: then the length of the op's description that follows (on an op's first message only)
+HEADER = struct.Struct("<dqqqqqqqI")
+MAX_DESCRIPTION = 1024  # header + description stay below PIPE_BUF: one atomic write
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -77,11 +87,35 @@ class _File:
         self.fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
         if create:
             os.ftruncate(self.fd, _CONTROL + CAPACITY)
-            os.posix_fallocate(self.fd, 0, _CONTROL)
+            _reserve_first_page(self.fd, path)
         self._map = mmap.mmap(self.fd, _CONTROL + CAPACITY)
-        whole = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.freed = whole[:8].view(torch.int64)  # written by the receiver only
-        self.data = whole[_CONTROL:]
+        self.data = torch.frombuffer(self._map, dtype=torch.uint8)[_CONTROL:]
+
+    # the first word counts the segments copied out: written by the receiver only, in one
+    # aligned 8-byte store, so the sender reads the old value or the new one
+    def freed(self) -> int:
+        return _WORD.unpack_from(self._map, 0)[0]
+
+    def set_freed(self, msg_id: int) -> None:
+        _WORD.pack_into(self._map, 0, msg_id)
+
+
+def _reserve_first_page(fd: int, path: str, patience_s: float = 5.0) -> None:
+    """Reserve the control block; on a full file system, wait a little for idle
+    channels (of this rank or others) to give their pages back."""
+    end = time.monotonic() + patience_s
+    while True:
+        try:
+            os.posix_fallocate(fd, 0, _CONTROL)
+            return
+        except OSError as exc:
+            if time.monotonic() > end:
+                raise OSError(
+                    exc.errno,
+                    f"no room left in {os.path.dirname(path)} for the emulated link's "
+                    "channels; free some, or point OVERLAPKIT_SHM_DIR at a larger tmpfs",
+                ) from exc
+            time.sleep(0.05)
 
 
 class _Placement:
@@ -139,18 +173,21 @@ class Outgoing:
         self.peak_in_flight = 0
         self._backlog: collections.deque = collections.deque()  # headers the pipe had no room for
         self._flushing = False
+        self._last_put = time.monotonic()
         #: held from placing the bytes to posting the header: headers go in placement order
         self.lock = threading.Lock()
+        _janitor.watch(self)
 
     def put(self, tensor: torch.Tensor) -> tuple[int, int] | None:
         """Copy ``tensor``'s bytes in: (offset, message id), or None when there is no room."""
         src = byte_view(tensor.contiguous())
         n = src.numel()
-        self._placement.free_up_to(int(self._file.freed.item()))
+        self._placement.free_up_to(self._file.freed())
         offset = self._placement.place(n, CAPACITY)
         if offset is None or not self._reserve(_CONTROL + offset + n):
             return None
         self._file.data[offset : offset + n].copy_(src)
+        self._last_put = time.monotonic()
         self._sent += 1
         self._placement.add(self._sent, offset, n)
         self.peak_in_flight = max(self.peak_in_flight, self._placement.in_flight)
@@ -167,6 +204,22 @@ class Outgoing:
             return False
         self.reserved = target
         return True
+
+    def release_if_idle(self, now: float) -> None:
+        """Give back the pages beyond the first step once drained and idle for a moment."""
+        if self.reserved <= _RESERVE_STEP or now - self._last_put < IDLE_RELEASE_S:
+            return
+        with self.lock:
+            if self._file.freed() != self._sent or self.reserved <= _RESERVE_STEP:
+                return
+            self._placement.free_up_to(self._sent)
+            try:
+                self._file._map.madvise(
+                    mmap.MADV_REMOVE, _RESERVE_STEP, self.reserved - _RESERVE_STEP
+                )
+            except (OSError, AttributeError, ValueError):
+                return  # not tmpfs, or no MADV_REMOVE here: keep the pages
+            self.reserved = _RESERVE_STEP
 
     def post(self, header: bytes) -> None:
         """Queue a header behind the ones before it; never blocks (call with ``lock`` held)."""
@@ -200,8 +253,38 @@ class Outgoing:
                 self._backlog.popleft()
 
 
-def pack_header(departed, nbytes, offset, msg_id, seq, signature, first, length) -> bytes:
-    return HEADER.pack(departed, nbytes, offset, msg_id, seq, signature, first, length)
+class _Janitor:
+    """One thread per process that lets idle channels give their pages back."""
+
+    def __init__(self):
+        self._channels: weakref.WeakSet = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._started = False
+
+    def watch(self, channel: Outgoing) -> None:
+        with self._lock:
+            self._channels.add(channel)
+            if not self._started:
+                self._started = True
+                threading.Thread(target=self._run, name="overlapkit-janitor", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(IDLE_RELEASE_S / 2)
+            with self._lock:
+                channels = list(self._channels)
+            now = time.monotonic()
+            for channel in channels:
+                channel.release_if_idle(now)
+
+
+_janitor = _Janitor()
+
+
+def pack_header(departed, nbytes, offset, msg_id, seq, signature, first, length, text=b""):
+    text = text[:MAX_DESCRIPTION]
+    fields = (departed, nbytes, offset, msg_id, seq, signature, first, length, len(text))
+    return HEADER.pack(*fields) + text
 
 
 class Incoming:
@@ -220,8 +303,9 @@ class Incoming:
 
     def read_header(self) -> tuple:
         """Block (GIL released) until the next header is in: (departed, nbytes, offset,
-        segment id, op number, op signature, first byte, length)."""
-        fields = HEADER.unpack(self._read(HEADER.size))
+        segment id, op number, op signature, first byte, length, description)."""
+        *fields, n = HEADER.unpack(self._read(HEADER.size))
+        fields.append(self._read(n).decode("utf-8", "replace") if n else "")
         if self._file is None:  # the sender made both files before its first header
             self._file = _File(self._path, create=False)
             for path in (self._path, self._path + ".pipe"):
@@ -234,7 +318,7 @@ class Incoming:
 
     def free(self, msg_id: int) -> None:
         """Count segments up to ``msg_id`` as copied out (one aligned 8-byte store)."""
-        self._file.freed.fill_(msg_id)
+        self._file.set_freed(msg_id)
 
 
 class Channels:

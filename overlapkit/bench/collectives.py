@@ -9,6 +9,11 @@ warm-up; an iteration's time is the slowest rank's; the table shows medians.
   the algorithm is bandwidth-optimal;
 * x_builtin: busbw ÷ the built-in's busbw in the same launch (no link only:
   the built-in does not go through the emulated link);
+* ring_async: 8 ring AllReduces issued with ``async_op=True`` and then waited
+  (as a data-parallel step issues its buckets); its time is per operation;
+* every kit collective runs with its safety checks on (the announcement that
+  catches ranks disagreeing, numbered ops, honest handles): they are part of
+  what it costs;
 * with ``--link``: bound_ms is the α-β lower bound of the ring, 2(N−1)·(α + S/N·β),
   with the link's α and β, and efficiency = bound / measured; model_ms predicts
   each algorithm from α and β *fitted* to a ping-pong over the same link (and
@@ -34,11 +39,30 @@ from .. import collectives, costmodel, p2p, pingpong, runtime
 from ..launcher import launch
 from .table import format_table, write
 
+#: ring_async issues this many AllReduces with async_op=True, then waits them: per op
+ASYNC_BATCH = 8
+_batches: dict = {}
+
+
+def _ring_async(t: torch.Tensor) -> None:
+    """ASYNC_BATCH ring AllReduces of t's size in flight at once (as DDP issues buckets)."""
+    key = (t.numel(), t.dtype, t.device)
+    if key not in _batches:
+        _batches[key] = [t.clone() for _ in range(ASYNC_BATCH - 1)]
+    handles = [collectives.ring_all_reduce(b, async_op=True) for b in [t, *_batches[key]]]
+    for h in handles:
+        h.wait()
+
+
+# every kit collective with its checks on (announcements, numbering): they are part of the cost
 ALGORITHMS = {
-    "naive": lambda t: collectives.naive_all_reduce(t, check=False),
-    "ring": lambda t: collectives.ring_all_reduce(t, check=False),
+    "naive": lambda t: collectives.naive_all_reduce(t),
+    "ring": lambda t: collectives.ring_all_reduce(t),
+    "ring_async": _ring_async,
     "builtin": lambda t: dist.all_reduce(t),
 }
+#: operations one call of an algorithm runs (times are reported per operation)
+OPS_PER_CALL = {"ring_async": ASYNC_BATCH}
 
 
 def _sync():
@@ -75,7 +99,7 @@ def _measure(nbytes: int, algorithms, reps: int, warmup: int) -> dict[str, list[
             # an iteration ends with its slowest rank
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             if i >= warmup:
-                times[key].append(slowest.item())
+                times[key].append(slowest.item() / OPS_PER_CALL.get(a, 1))
     p2p.set_link(link)
     return times
 
@@ -157,7 +181,11 @@ def run(
                 row["x_builtin"] = medians["builtin"] / t if "builtin" in medians else float("nan")
             else:
                 bound = costmodel.ring_all_reduce(nbytes, world, link.alpha, link.beta)
-                predict = {"naive": costmodel.naive_all_reduce, "ring": costmodel.ring_all_reduce}
+                predict = {
+                    "naive": costmodel.naive_all_reduce,
+                    "ring": costmodel.ring_all_reduce,
+                    "ring_async": costmodel.ring_all_reduce,
+                }
                 model = predict[a](nbytes, world, fitted["a"], fitted["b"], fitted["g"])
                 machine = medians[f"{a}@machine"]
                 link_only = predict[a](nbytes, world, link.alpha, link.beta)  # no γ: the link
