@@ -208,23 +208,20 @@ class _Executor:
 
     def issue(self, fn, call, device, async_op: bool, what: str):
         if self.in_turn():  # nested in a running op: part of its turn
-            with self._cond:
-                op = self._new_op(call)
-            result = self._execute(fn, op, device, None)
+            result = self._execute(fn, call, device, None)
             if not async_op:
                 return result[0]
             future: concurrent.futures.Future = concurrent.futures.Future()
             future.set_result(result)
             return Handle(future, what)
-        with self._cond:  # the ticket and the op's number are taken together
+        with self._cond:
             ticket = self._issued
             self._issued += 1
-            op = self._new_op(call)
         if not async_op:
             with self._cond:
                 self._cond.wait_for(lambda: self._done == ticket)
             try:
-                result, done = self._execute(fn, op, device, None)
+                result, done = self._execute(fn, call, device, None)
             finally:
                 self._advance()
             if done is not None:
@@ -237,11 +234,15 @@ class _Executor:
             ready.record(torch.cuda.current_stream(device))
         future = concurrent.futures.Future()
         self._ensure_worker()
-        self._queue.put((ticket, fn, op, device, ready, future))
+        self._queue.put((ticket, fn, call, device, ready, future))
         return Handle(future, what)
 
-    def _execute(self, fn, op, device, ready):
-        """Run ``fn`` as ``op``: (result, CUDA event marking its end on the comm stream)."""
+    def _execute(self, fn, call, device, ready):
+        """Run ``fn`` as the op of ``call``: (result, CUDA event marking its end on the comm
+        stream). Ops are numbered here, in the order they run — the same on every rank,
+        also for ops issued from inside a running one."""
+        with self._cond:
+            op = self._new_op(call)
         if self._broken is not None:
             what = op.description if op is not None else "this operation"
             raise RuntimeError(
@@ -276,7 +277,7 @@ class _Executor:
 
     def _loop(self) -> None:
         while True:
-            ticket, fn, op, device, ready, future = self._queue.get()
+            ticket, fn, call, device, ready, future = self._queue.get()
             with self._cond:
                 self._cond.wait_for(lambda t=ticket: self._done == t)
             try:
@@ -284,7 +285,7 @@ class _Executor:
                     self._turn.active = True
                     try:
                         # callbacks of the future run here: still within this op's turn
-                        future.set_result(self._execute(fn, op, device, ready))
+                        future.set_result(self._execute(fn, call, device, ready))
                     except BaseException as exc:  # noqa: BLE001 - delivered to wait()
                         future.set_exception(exc)
                     finally:

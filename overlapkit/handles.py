@@ -23,12 +23,18 @@ _lock = threading.Lock()
 
 def issue_site() -> str:
     """``file:line`` of the first caller outside overlapkit (the learner's line)."""
-    frame = sys._getframe(1)
+    return _format_site(_caller())
+
+
+def _caller() -> tuple[str, int] | None:
+    frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame = frame.f_back
-    if frame is None:
-        return "?"
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
+
+
+def _format_site(site) -> str:
+    return "?" if site is None else f"{os.path.basename(site[0])}:{site[1]}"
 
 
 class UnwaitedOperationWarning(UserWarning):
@@ -45,12 +51,16 @@ class Tracked:
 
     def __init__(self, what, kit: bool = False):
         self._what = what
-        self.site = ""
+        self._site = None
         self.waited = kit
         if not kit:
-            self.site = issue_site()
+            self._site = _caller()  # formatted only for a report
             with _lock:
                 _unwaited[id(self)] = self
+
+    @property
+    def site(self) -> str:
+        return _format_site(self._site)
 
     @property
     def what(self) -> str:

@@ -16,7 +16,9 @@ each message also pays the link's cost, modelled like a NIC::
 * messages leaving one rank share its outgoing link, messages arriving at a
   rank share its incoming link (N−1 senders into one root take (N−1)·S/B,
   while a ring step, one in and one out per rank, is never contended);
-* waiting sleeps, so computation really runs while a message is "on the wire";
+* waiting sleeps, so computation really runs while a message is "on the wire"
+  (all but the last few tens of µs, in which the waiting thread yields in a
+  loop: a sleeping thread wakes ~35 µs late on a VM, which would add to α);
 * the real bytes still move, concurrently with the emulated delay, so results
   stay real: through shared memory when the ranks share a machine (``ok.launch``;
   see :mod:`overlapkit.shm` — loopback sockets would be slower than the link
@@ -48,7 +50,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
-import queue
 import struct
 import sys
 import threading
@@ -131,10 +132,12 @@ _channels: shm.Channels | None = None
 
 def set_link(link: Link | None) -> None:
     """Use ``link`` for this rank's kit messages from now on (None: no emulation)."""
-    global _link
+    global _link, _wake_up_late
     _link = _LinkState(link) if link is not None else None
     if link is not None:
         _precise_sleeps()
+        if not _wake_up_late:
+            _wake_up_late = _measure_wake_up()
 
 
 def _precise_sleeps() -> None:
@@ -163,11 +166,29 @@ def current_link() -> Link | None:
     return _link.link if _link is not None else None
 
 
+#: how late this machine's sleeps wake up (measured by set_link); waits sleep until that
+#: long before their deadline, then yield until it, so an emulated α is not late by it
+_wake_up_late = 0.0
+
+
+def _measure_wake_up() -> float:
+    late = []
+    for _ in range(15):
+        start = time.perf_counter()
+        time.sleep(50e-6)
+        late.append(time.perf_counter() - start - 50e-6)
+    return min(sorted(late)[len(late) // 2] + 5e-6, 200e-6)
+
+
 def _sleep_until(deadline: float, timeout_at: float | None = None) -> None:
+    """Wait until ``deadline``: asleep (the cores stay free for compute) but for the
+    last few tens of µs, where the thread yields in a loop (the GIL stays free)."""
     end = deadline if timeout_at is None else min(deadline, timeout_at)
     delay = end - time.perf_counter()
-    if delay > 0:
-        time.sleep(delay)  # sleeping, not spinning: the cores stay free for compute
+    if delay > _wake_up_late:
+        time.sleep(delay - _wake_up_late)
+    while time.perf_counter() < end:
+        time.sleep(0)
 
 
 _world_name: str | None = None
@@ -452,20 +473,20 @@ class _Pusher:
                 if not self.queue:
                     self.running = False
                     return
-                src, sent, header, handle = self.queue[0]
-                n = min(src.numel() - sent, self.SEGMENT)
-                placed = out.put(src[sent : sent + n])
+                (data, address, total), sent, header, handle = self.queue[0]
+                n = min(total - sent, self.SEGMENT)
+                placed = out.put(address + sent, n)
                 if placed is None and n > 65536:
-                    placed = out.put(src[sent : sent + 65536])  # small space: smaller steps
-                    n = 65536
+                    n = 65536  # little room: smaller steps
+                    placed = out.put(address + sent, n)
                 if placed is not None:
                     out.post(header(placed, sent, n))
                     sent += n
-                    if sent == src.numel():
+                    if sent == total:
                         self.queue.popleft()
                         handle.placed.set()
                     else:
-                        self.queue[0] = (src, sent, header, handle)
+                        self.queue[0] = ((data, address, total), sent, header, handle)
                     pause = 20e-6
                     continue
             time.sleep(pause)  # wait for the receiver to free space
@@ -479,8 +500,8 @@ def _send_shared(tensor: torch.Tensor, dst: int, group, state: _LinkState) -> _S
     op = current_op()
     namespace = f"{KIT if op else USER}-{_group_name(group)}"
     out = _channels.outgoing(namespace, dst)
-    src = shm.byte_view(tensor.contiguous())
-    nbytes = src.numel()
+    data = tensor.contiguous()  # kept alive by the pusher while it is pending
+    address, nbytes = shm.address_of(data)
     seq, signature = (op.seq, op.signature) if op else (0, 0)
     text = op.introduce_to(dst) if op else b""
 
@@ -495,72 +516,154 @@ def _send_shared(tensor: torch.Tensor, dst: int, group, state: _LinkState) -> _S
         departed, last_byte = state.depart(nbytes)
         handle = _Send(_describe("send", tensor, "to", dst), last_byte)
         pusher = _pushers.get(id(out))
-        placed = None if pusher is not None and pusher.queue else out.put(src)
+        placed = None if pusher is not None and pusher.queue else out.put(address, nbytes)
         if placed is not None:
             out.post(header(placed, 0, nbytes))
         else:  # no room now: queued behind what is pending, pushed as space frees
             handle.placed = threading.Event()
-            _pushers.setdefault(id(out), _Pusher(out)).add((src, 0, header, handle))
+            _pushers.setdefault(id(out), _Pusher(out)).add(
+                ((data, address, nbytes), 0, header, handle)
+            )
     return handle
 
 
 class _Inbox:
-    """Messages from one sender in one stream and group, landed in the order they
-    were sent (so shared memory is freed in order, and the incoming link reserved
-    in order).
+    """Messages from one sender in one stream and group through a process group
+    (GPU tensors, torchrun), landed in the order they were sent, by the thread
+    that waits (so the incoming link is reserved in order)."""
 
-    Through shared memory, a thread of the inbox lands them as their headers
-    come in — like a NIC, it moves the bytes while the rank computes or waits
-    for something else, whatever order the handles are waited in. Through the
-    process group (GPU tensors, torchrun), they land in the thread that waits.
-    """
-
-    def __init__(self, incoming: shm.Incoming | None):
+    def __init__(self):
         self.lock = threading.Lock()
         self.pending: collections.deque = collections.deque()
-        self.queue: queue.SimpleQueue | None = None
-        if incoming is not None:
-            self.queue = queue.SimpleQueue()
-            name = "overlapkit-inbox"
-            threading.Thread(
-                target=self._land_in_order, args=(incoming,), name=name, daemon=True
-            ).start()
 
     def post(self, receive: _Receive) -> None:
-        if self.queue is not None:
-            self.queue.put(receive)
-            return
         with self.lock:  # header receives are matched in the order they are posted
             receive.post_to_group()
             self.pending.append(receive)
 
-    def _land_in_order(self, incoming: shm.Incoming) -> None:
-        while True:
-            receive = self.queue.get()
-            receive.land_shared(incoming)
-
     def finish(self, receive: _Receive, timeout_at: float | None) -> None:
         """Return once ``receive`` has landed."""
-        if self.queue is None:
-            with self.lock:
-                while not receive.landed.is_set():
-                    head = self.pending[0]
-                    head.land_from_group(timeout_at)
+        with self.lock:
+            while not receive.landed.is_set():
+                head = self.pending[0]
+                head.land_from_group(timeout_at)
+                self.pending.popleft()
+
+    def progress(self, receive: _Receive) -> None:
+        if receive.landed.is_set() or not receive._header_work.is_completed():
+            return
+        with contextlib.suppress(TimeoutError):
+            self.finish(receive, time.perf_counter() + 1e-3)
+
+
+#: receives this large are landed by the inbox's thread as soon as they arrive, so that
+#: the copy overlaps with the rank's compute; smaller ones land when waited (or polled)
+EAGER_BYTES = 64 << 10
+
+
+def _left(timeout_at: float) -> float:
+    return max(0.0, timeout_at - time.perf_counter())
+
+
+class _SharedInbox:
+    """Messages from one sender in one stream and group through shared memory,
+    landed segment by segment in the order they were sent (so the channel is
+    freed in order, and the incoming link reserved in order).
+
+    Like a NIC, the inbox moves bytes while the rank computes: its thread lands
+    whatever has arrived for the receives posted, once one of them is large
+    enough for the copy to matter (:data:`EAGER_BYTES`). But a thread that waits
+    for a receive lands the messages itself as their headers come in — one
+    wake-up per message on the critical path, not a hand-over between two
+    threads (which costs more than copying a small message at ``wait()``).
+    """
+
+    def __init__(self, incoming: shm.Incoming):
+        self.incoming = incoming
+        self.lock = threading.Lock()  # held while landing: one lander at a time, in order
+        self.cond = threading.Condition()  # guards pending and waiters
+        self.pending: collections.deque = collections.deque()
+        self.waiters = 0
+        self.eager = 0  # pending receives of at least EAGER_BYTES
+        threading.Thread(target=self._background, name="overlapkit-inbox", daemon=True).start()
+
+    def post(self, receive: _Receive) -> None:
+        with self.cond:
+            self.pending.append(receive)
+            if receive.eager:
+                self.eager += 1
+                self.cond.notify()
+
+    def _land_arrived(self) -> None:
+        """Land what has arrived for the receives posted, in order (``lock`` held)."""
+        while True:
+            with self.cond:
+                if not self.pending:
+                    return
+                head = self.pending[0]
+            header = self.incoming.read_header()
+            if header is None:
+                return
+            if head.land_segment(self.incoming, header):
+                with self.cond:
                     self.pending.popleft()
-        remaining = None if timeout_at is None else max(0.0, timeout_at - time.perf_counter())
-        if not receive.landed.wait(remaining):
-            raise TimeoutError(f"{receive.what}: nothing arrived before wait(timeout=) ran out")
+                    self.eager -= head.eager
+
+    def progress(self, receive: _Receive | None = None) -> None:
+        """Land what has arrived, unless another thread is landing: never blocks."""
+        if self.lock.acquire(blocking=False):
+            try:
+                self._land_arrived()
+            finally:
+                self.lock.release()
+
+    def finish(self, receive: _Receive, timeout_at: float | None) -> None:
+        """Return once ``receive`` has landed (landing it here when its header comes).
+
+        The waiter holds ``lock`` while it sleeps on the pipe, so no other thread
+        can take a header from under it (and leave it asleep with the pipe empty).
+        """
+        with self.cond:
+            self.waiters += 1
+        try:
+            if not self.lock.acquire(timeout=-1 if timeout_at is None else _left(timeout_at)):
+                raise TimeoutError(f"{receive.what}: nothing arrived before wait(timeout=) ran out")
+            try:
+                while True:
+                    self._land_arrived()
+                    if receive.landed.is_set():
+                        return
+                    remaining = None if timeout_at is None else _left(timeout_at)
+                    if remaining == 0:
+                        raise TimeoutError(
+                            f"{receive.what}: nothing arrived before wait(timeout=) ran out"
+                        )
+                    self.incoming.poll(remaining)
+            finally:
+                self.lock.release()
+        finally:
+            with self.cond:
+                self.waiters -= 1
+                self.cond.notify()
+
+    def _background(self) -> None:
+        while True:
+            with self.cond:  # idle unless a large receive is posted and nobody waits
+                self.cond.wait_for(lambda: self.eager and self.waiters == 0)
+            self.incoming.poll(0.05)  # bounded: a waiter that arrives meanwhile takes over
+            self.progress()
 
 
 _inboxes: dict = {}
 _inboxes_lock = threading.Lock()
 
 
-def _inbox(namespace: str, src: int, shared: bool) -> _Inbox:
+def _inbox(namespace: str, src: int, shared: bool) -> _Inbox | _SharedInbox:
     key = (namespace, src, shared)
     with _inboxes_lock:
         if key not in _inboxes:
-            _inboxes[key] = _Inbox(_channels.incoming(namespace, src) if shared else None)
+            incoming = _channels.incoming(namespace, src) if shared else None
+            _inboxes[key] = _SharedInbox(incoming) if shared else _Inbox()
         return _inboxes[key]
 
 
@@ -577,6 +680,7 @@ class _Receive(_OnTheLink):
         self._op = current_op()
         self.landed = threading.Event()
         self._error: BaseException | None = None
+        self.eager = tensor.numel() * tensor.element_size() >= EAGER_BYTES
         shared = _shared_memory(tensor)
         namespace = f"{KIT if self._op else USER}-{_group_name(group)}"
         self._inbox = _inbox(namespace, src, shared)
@@ -597,32 +701,29 @@ class _Receive(_OnTheLink):
                 f"but rank {self._src} sent {nbytes} bytes"
             )
 
-    def land_shared(self, incoming: shm.Incoming) -> None:
-        """Headers in (one per segment); copy the bytes out; reserve the incoming link."""
+    def land_segment(self, incoming: shm.Incoming, header: tuple) -> bool:
+        """Copy one segment out and free it; True once the whole message has landed."""
+        departed, nbytes, offset, msg_id, seq, signature, first, length, text = header
         try:
-            target = self._tensor if self._tensor.is_contiguous() else None
-            flat = shm.byte_view(target if target is not None else torch.empty_like(
-                self._tensor, memory_format=torch.contiguous_format))  # fmt: skip
-            got = 0
-            while True:
-                departed, nbytes, offset, msg_id, seq, signature, first, length, text = (
-                    incoming.read_header()
-                )
-                try:
-                    self._check(nbytes, seq, signature, text)
-                    incoming.copy_out(flat[first : first + length], offset)
-                finally:
-                    incoming.free(msg_id)
-                got += length
-                if got >= nbytes:
-                    break
-            if target is None:
-                self._tensor.copy_(flat.view(self._tensor.dtype).view(self._tensor.shape))
-            self._done_at = self._state.arrive(departed, nbytes)
+            if first == 0:
+                self._check(nbytes, seq, signature, text)
+                t = self._tensor  # a non-contiguous receive lands in a contiguous buffer
+                self._buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
+                self._got = 0
+            incoming.copy_out(self._buf.data_ptr() + first, length, offset)
         except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
             self._error = exc
         finally:
-            self.landed.set()
+            incoming.free(msg_id)
+        if self._error is None:
+            self._got += length
+            if self._got < nbytes:
+                return False
+            if self._buf is not self._tensor:
+                self._tensor.copy_(self._buf)
+            self._done_at = self._state.arrive(departed, nbytes)
+        self.landed.set()
+        return True
 
     def post_to_group(self) -> None:
         """Post the header's and the bytes' receives together: NCCL matches messages
@@ -654,12 +755,8 @@ class _Receive(_OnTheLink):
             raise self._error
 
     def _through_yet(self) -> bool:
-        if self.landed.is_set():
-            return True
-        if self._inbox.queue is not None or not self._header_work.is_completed():
-            return False
-        with contextlib.suppress(TimeoutError):
-            self._inbox.finish(self, time.perf_counter() + 1e-3)
+        if not self.landed.is_set():
+            self._inbox.progress(self)
         return self.landed.is_set()
 
 

@@ -34,6 +34,7 @@ have them open by then); the launcher removes the directory in any case.
 from __future__ import annotations
 
 import collections
+import ctypes
 import fcntl
 import mmap
 import os
@@ -59,9 +60,13 @@ HEADER = struct.Struct("<dqqqqqqqI")
 MAX_DESCRIPTION = 1024  # header + description stay below PIPE_BUF: one atomic write
 
 
-def byte_view(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor (any dtype, 0-d included)."""
-    return tensor.reshape(-1).view(torch.uint8)
+def address_of(tensor: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of a contiguous CPU tensor's data (any dtype, 0-d included)."""
+    return tensor.data_ptr(), tensor.numel() * tensor.element_size()
+
+
+#: sizes to ask for a header pipe, in order of preference (the system may refuse them all)
+PIPE_SIZES = (1 << 20, 1 << 16)
 
 
 def _open_pipe(path: str, nonblocking: bool) -> int:
@@ -71,7 +76,7 @@ def _open_pipe(path: str, nonblocking: bool) -> int:
         pass
     # read-write: opening never blocks for the other end (Linux), and a reader never sees EOF
     fd = os.open(path, os.O_RDWR | (os.O_NONBLOCK if nonblocking else 0))
-    for size in (1 << 20, 1 << 16):  # room for many headers; a refusal only means a backlog
+    for size in PIPE_SIZES:  # room for many headers; a refusal only means a backlog
         try:
             fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
             break
@@ -89,7 +94,10 @@ class _File:
             os.ftruncate(self.fd, _CONTROL + CAPACITY)
             _reserve_first_page(self.fd, path)
         self._map = mmap.mmap(self.fd, _CONTROL + CAPACITY)
-        self.data = torch.frombuffer(self._map, dtype=torch.uint8)[_CONTROL:]
+        # copies go by address (ctypes.memmove releases the GIL): a torch op per message
+        # costs more than the copy of a small one
+        self._anchor = ctypes.c_char.from_buffer(self._map)
+        self.data = ctypes.addressof(self._anchor) + _CONTROL
 
     # the first word counts the segments copied out: written by the receiver only, in one
     # aligned 8-byte store, so the sender reads the old value or the new one
@@ -178,15 +186,14 @@ class Outgoing:
         self.lock = threading.Lock()
         _janitor.watch(self)
 
-    def put(self, tensor: torch.Tensor) -> tuple[int, int] | None:
-        """Copy ``tensor``'s bytes in: (offset, message id), or None when there is no room."""
-        src = byte_view(tensor.contiguous())
-        n = src.numel()
+    def put(self, address: int, n: int) -> tuple[int, int] | None:
+        """Copy ``n`` bytes from ``address`` in: (offset, segment id), or None when there
+        is no room."""
         self._placement.free_up_to(self._file.freed())
         offset = self._placement.place(n, CAPACITY)
         if offset is None or not self._reserve(_CONTROL + offset + n):
             return None
-        self._file.data[offset : offset + n].copy_(src)
+        ctypes.memmove(self._file.data + offset, address, n)
         self._last_put = time.monotonic()
         self._sent += 1
         self._placement.add(self._sent, offset, n)
@@ -288,33 +295,38 @@ def pack_header(departed, nbytes, offset, msg_id, seq, signature, first, length,
 
 
 class Incoming:
-    """The receiving end of one direction; read by one thread, in order."""
+    """The receiving end of one direction; read in order, by one thread at a time."""
 
     def __init__(self, path: str):
         self._path = path
-        self._pipe = _open_pipe(path + ".pipe", nonblocking=False)
+        self._pipe = _open_pipe(path + ".pipe", nonblocking=True)
         self._file: _File | None = None
 
-    def _read(self, n: int) -> bytes:
-        raw = b""
-        while len(raw) < n:
-            raw += os.read(self._pipe, n - len(raw))
-        return raw
+    def poll(self, timeout_s: float | None) -> None:
+        """Sleep (GIL released) until a header may be in, or ``timeout_s`` passes."""
+        poller = select.poll()  # one per call: two threads may wait on one channel
+        poller.register(self._pipe, select.POLLIN)
+        poller.poll(None if timeout_s is None else max(0, int(timeout_s * 1000) + 1))
 
-    def read_header(self) -> tuple:
-        """Block (GIL released) until the next header is in: (departed, nbytes, offset,
+    def read_header(self) -> tuple | None:
+        """The next header, or None when none is in yet: (departed, nbytes, offset,
         segment id, op number, op signature, first byte, length, description)."""
-        *fields, n = HEADER.unpack(self._read(HEADER.size))
-        fields.append(self._read(n).decode("utf-8", "replace") if n else "")
+        try:
+            raw = os.read(self._pipe, HEADER.size)
+        except BlockingIOError:
+            return None
+        # a header and its description were written at once (below PIPE_BUF): all here
+        *fields, n = HEADER.unpack(raw)
+        fields.append(os.read(self._pipe, n).decode("utf-8", "replace") if n else "")
         if self._file is None:  # the sender made both files before its first header
             self._file = _File(self._path, create=False)
             for path in (self._path, self._path + ".pipe"):
                 os.unlink(path)  # both ends hold them open: nothing left behind on a crash
         return fields
 
-    def copy_out(self, into: torch.Tensor, offset: int) -> None:
-        """Copy a segment's bytes out into the flat uint8 tensor ``into``."""
-        into.copy_(self._file.data[offset : offset + into.numel()])
+    def copy_out(self, address: int, n: int, offset: int) -> None:
+        """Copy a segment's ``n`` bytes out to ``address``."""
+        ctypes.memmove(address, self._file.data + offset, n)
 
     def free(self, msg_id: int) -> None:
         """Count segments up to ``msg_id`` as copied out (one aligned 8-byte store)."""

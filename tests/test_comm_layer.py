@@ -104,16 +104,7 @@ def test_forty_thousand_sends_posted_before_any_receive_neither_block_nor_deadlo
 def _through_a_pipe_that_cannot_grow(count):
     from overlapkit import shm
 
-    original = shm._open_pipe
-
-    def small(path, nonblocking):
-        fd = original(path, nonblocking)
-        import fcntl
-
-        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), 4096)  # 64 headers at most
-        return fd
-
-    shm._open_pipe = small  # before this rank's first message makes its channels
+    shm.PIPE_SIZES = (4096,)  # 64 headers at most, before the first message makes a channel
     ok_small = _many_small_messages(count)
     t = torch.arange(300_000, dtype=torch.float32) * (ok.rank() + 1)
     collectives.PIECE_BYTES = 4096  # a ring step of 146 pieces: more headers than the pipe holds

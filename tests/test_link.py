@@ -245,7 +245,8 @@ def test_the_channel_places_at_the_lowest_free_offset_and_refuses_what_does_not_
         return torch.arange(first, first + n, dtype=torch.uint8)
 
     def send(n, first):
-        placed = out.put(message(n, first))
+        data = message(n, first)
+        placed = out.put(data.data_ptr(), n)
         if placed is not None:
             out.post(shm.pack_header(0.0, n, placed[0], placed[1], 0, 0, 0, n))
         return placed
@@ -253,7 +254,7 @@ def test_the_channel_places_at_the_lowest_free_offset_and_refuses_what_does_not_
     def land(n):
         got = torch.empty(n, dtype=torch.uint8)
         _, nbytes, offset, msg_id, *_ = into.read_header()
-        into.copy_out(got, offset)
+        into.copy_out(got.data_ptr(), n, offset)
         into.free(msg_id)
         return nbytes, offset, got
 

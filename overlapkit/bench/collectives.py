@@ -2,7 +2,9 @@
 
 For each world size and message size, one launch runs every algorithm on the
 same ranks, interleaved (naive, ring, built-in, naive, ring, ...), after a
-warm-up; an iteration's time is the slowest rank's; the table shows medians.
+barrier and a warm-up; an iteration runs from the moment the last rank starts
+it to the moment the last rank ends it (ranks of one ``ok.launch`` share a
+clock; under torchrun, the slowest rank's own time); the table shows medians.
 
 * algbw = S / t; busbw = algbw × 2(N−1)/N (nccl-tests' factor for AllReduce),
   which is comparable across world sizes and near the link's bandwidth when
@@ -27,6 +29,7 @@ warm-up; an iteration's time is the slowest rank's; the table shows medians.
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -85,7 +88,12 @@ def _measure(nbytes: int, algorithms, reps: int, warmup: int) -> dict[str, list[
         variants += [(a, INSTANT, f"{a}@machine") for a in algorithms if a != "builtin"]
     bufs = {key: torch.empty_like(source) for _, _, key in variants}
     times: dict[str, list[float]] = {key: [] for _, _, key in variants}
-    slowest = torch.zeros(1, dtype=torch.float64, device=device)
+    # ranks of one ok.launch share the machine's monotonic clock: an iteration then runs
+    # from the moment the last rank starts it (so that the skew with which ranks leave
+    # the barrier is not counted) to the moment the last rank ends it; elsewhere
+    # (torchrun across machines) it is the slowest rank's own time
+    shared_clock = "OVERLAPKIT_RANK" in os.environ
+    marks = torch.zeros(2, dtype=torch.float64, device=device)
     for i in range(warmup + reps):
         for a, variant_link, key in variants:
             p2p.set_link(variant_link)
@@ -95,11 +103,12 @@ def _measure(nbytes: int, algorithms, reps: int, warmup: int) -> dict[str, list[
             start = time.perf_counter()
             ALGORITHMS[a](bufs[key])
             _sync()
-            slowest.fill_(time.perf_counter() - start)
-            # an iteration ends with its slowest rank
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            end = time.perf_counter()
+            marks[0], marks[1] = (start, end) if shared_clock else (0.0, end - start)
+            dist.all_reduce(marks, op=dist.ReduceOp.MAX)
             if i >= warmup:
-                times[key].append(slowest.item() / OPS_PER_CALL.get(a, 1))
+                elapsed = (marks[1] - marks[0]).item()
+                times[key].append(elapsed / OPS_PER_CALL.get(a, 1))
     p2p.set_link(link)
     return times
 
