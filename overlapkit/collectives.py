@@ -95,10 +95,20 @@ def _global_rank(group, r: int) -> int:
     return r if group is None else dist.get_global_rank(group, r)
 
 
+_rings: dict = {}
+p2p.on_forget(_rings.clear)  # a new default group may have other ranks
+
+
 def _ring(group):
-    """(my position, world, global rank of the left and right neighbours) in ``group``."""
-    me, world = dist.get_rank(group), dist.get_world_size(group)
-    return me, world, _global_rank(group, (me - 1) % world), _global_rank(group, (me + 1) % world)
+    """(my position, world, global rank of the left and right neighbours) in ``group``
+    (looked up once per group: torch's lookups cost more than a small ring step)."""
+    key = p2p._group_name(group)
+    ring = _rings.get(key)
+    if ring is None:
+        me, world = dist.get_rank(group), dist.get_world_size(group)
+        left, right = _global_rank(group, (me - 1) % world), _global_rank(group, (me + 1) % world)
+        ring = _rings[key] = (me, world, left, right)
+    return ring
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -112,9 +122,21 @@ def _write_back(tensor: torch.Tensor, flat: torch.Tensor) -> None:
         tensor.copy_(flat.view_as(tensor))
 
 
+_calls: dict = {}
+
+
 def _describe_call(name: str, tensor: torch.Tensor, op: str | None, extra: int, thread: str):
     """(signature, description) of a kit collective: what its peers must agree on, and
-    how an error names it. Deterministic across processes (unlike ``hash``)."""
+    how an error names it. Deterministic across processes (unlike ``hash``); remembered
+    per call site, since a training loop issues the same calls again and again."""
+    key = (name, tensor.numel(), tensor.dtype, op, extra, thread, handles._caller())
+    known = _calls.get(key)
+    if known is None:
+        known = _calls[key] = _new_call(name, tensor, op, extra, thread, key[-1])
+    return known
+
+
+def _new_call(name, tensor, op, extra, thread, site):
     dtype = str(tensor.dtype).removeprefix("torch.")
     # a thread's own name tells which stream of work issued the op (a bucketer, a
     # pipeline stage); Python's automatic "Thread-N" follows creation order, which
@@ -126,7 +148,7 @@ def _describe_call(name: str, tensor: torch.Tensor, op: str | None, extra: int, 
         f"{name} of {tensor.numel()} × {dtype}"
         + (f", op {op!r}" if op else "")
         + (f", output of {extra}" if extra >= 0 else "")
-        + f", issued at {handles.issue_site()} in thread {thread!r}"
+        + f", issued at {handles._format_site(site)} in thread {thread!r}"
     )
     return signature, description
 
@@ -355,7 +377,7 @@ def _announce(group, to: list[int], frm: list[int], device, data_follows: bool) 
     """The op's first messages: who it is, checked against what the peers announced
     (``data_follows``: every peer in ``to`` gets data from this op)."""
     op = p2p.current_op()
-    if op.check and dist.get_world_size(group) > 1:
+    if op.check and _ring(group)[1] > 1:
         p2p.announce_and_check(to, frm, group, device, data_follows)
 
 
@@ -391,7 +413,7 @@ def naive_all_reduce(
 
 def _naive(tensor: torch.Tensor, op: str, group, timeline) -> None:
     span = _spans(timeline)
-    me, world = dist.get_rank(group), dist.get_world_size(group)
+    me, world = _ring(group)[:2]
     if world == 1:
         finish(tensor, op, 1)
         return
@@ -525,7 +547,7 @@ def ring_reduce_scatter(
         after:   r0 [Σa]           r1 [Σb]           r2 [Σc]           r3 [Σd]
     """
     _check_op(op)
-    world = dist.get_world_size(group)
+    world = _ring(group)[1]
     _check_sharded_pair("ring_reduce_scatter", ("input", input), ("output", output), world)
 
     def run():
@@ -533,7 +555,7 @@ def ring_reduce_scatter(
         acc = input.reshape(-1).clone()  # never modify the caller's input
         bounds = chunk_bounds(acc.numel(), world)
         _ring_reduce_scatter_flat(acc, bounds, op, group)
-        lo, hi = bounds[dist.get_rank(group)]
+        lo, hi = bounds[_ring(group)[0]]
         mine = acc[lo:hi]
         finish(mine, op, world)
         output.copy_(mine.view_as(output))
@@ -556,7 +578,7 @@ def ring_all_gather(
         before:  r0 [a]        r1 [b]        r2 [c]        r3 [d]
         after:   r0 [a b c d]  r1 [a b c d]  r2 [a b c d]  r3 [a b c d]
     """
-    world = dist.get_world_size(group)
+    world = _ring(group)[1]
     _check_sharded_pair("ring_all_gather", ("output", output), ("input", input), world)
 
     def run():
@@ -568,7 +590,7 @@ def ring_all_gather(
             else torch.empty(output.numel(), dtype=output.dtype, device=output.device)
         )
         bounds = chunk_bounds(buf.numel(), world)
-        lo, hi = bounds[dist.get_rank(group)]
+        lo, hi = bounds[_ring(group)[0]]
         buf[lo:hi].copy_(input.reshape(-1))
         _ring_all_gather_flat(buf, bounds, group)
         if not contiguous:
@@ -601,13 +623,13 @@ def ring_all_reduce(
     _check_op(op)
 
     def run():
-        world = dist.get_world_size(group)
+        world = _ring(group)[1]
         _announce_ring(group, tensor.device, tensor.numel())
         flat = _flat(tensor)
         bounds = chunk_bounds(flat.numel(), world)
         span = _spans(timeline)
         _ring_reduce_scatter_flat(flat, bounds, op, group, span)
-        lo, hi = bounds[dist.get_rank(group)]
+        lo, hi = bounds[_ring(group)[0]]
         finish(flat[lo:hi], op, world)
         _ring_all_gather_flat(flat, bounds, group, span)
         _write_back(tensor, flat)

@@ -288,12 +288,23 @@ def _kit_group(group, device: torch.device):
         return pg
 
 
+_forget_hooks: list = []
+
+
+def on_forget(hook) -> None:
+    """Call ``hook()`` from :func:`forget_private_groups` (caches of group facts)."""
+    _forget_hooks.append(hook)
+
+
 def forget_private_groups() -> None:
-    """Drop the kit's process groups (before the default group is destroyed)."""
+    """Drop the kit's process groups and what it remembers of the default group
+    (before that group is destroyed)."""
     global _world_name
     with _private_lock:
         _private.clear()
     _world_name = None
+    for hook in _forget_hooks:
+        hook()
 
 
 def _to_pg_rank(group, rank: int) -> int:
@@ -354,22 +365,22 @@ def _deadline(timeout) -> float | None:
     return None if timeout is None else time.perf_counter() + float(timeout)
 
 
-def _poll_until(done, timeout_at: float | None, what: str) -> None:
+def _poll_until(done, timeout_at: float | None, handle) -> None:
     """Wait for ``done()`` by polling (sleeps up to 1 ms), or raise TimeoutError."""
     pause = 20e-6
     while not done():
         if timeout_at is not None and time.perf_counter() >= timeout_at:
-            raise TimeoutError(f"{what}: not complete when wait(timeout=) ran out")
+            raise TimeoutError(f"{handle.what}: not complete when wait(timeout=) ran out")
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
 
 
-def _wait_works(works, timeout_at: float | None, what: str) -> None:
+def _wait_works(works, timeout_at: float | None, handle) -> None:
     if timeout_at is None:
         for w in works:
             w.wait()
     else:
-        _poll_until(lambda: all(w.is_completed() for w in works), timeout_at, what)
+        _poll_until(lambda: all(w.is_completed() for w in works), timeout_at, handle)
 
 
 class _Plain(_Message):
@@ -381,7 +392,7 @@ class _Plain(_Message):
         self._works, self._finish = works, finish
 
     def _settle(self, timeout_at):
-        _wait_works(self._works, timeout_at, self.what)
+        _wait_works(self._works, timeout_at, self)
         if self._finish is not None:
             self._finish()
             self._finish = None
@@ -426,7 +437,7 @@ class _Send(_OnTheLink):
             remaining = None if timeout_at is None else timeout_at - time.perf_counter()
             if not self.placed.wait(remaining):
                 raise TimeoutError(f"{self.what}: the receiver has not made room for it yet")
-        _wait_works(self._works, timeout_at, self.what)
+        _wait_works(self._works, timeout_at, self)
 
     def _through_yet(self) -> bool:
         placed = self.placed is None or self.placed.is_set()
@@ -736,10 +747,10 @@ class _Receive(_OnTheLink):
 
     def land_from_group(self, timeout_at) -> None:
         try:
-            _wait_works([self._header_work], timeout_at, self.what)
+            _wait_works([self._header_work], timeout_at, self)
             departed, nbytes, seq, signature = _host(self._header).tolist()
             self._check(int(nbytes), int(seq), int(signature))
-            _wait_works([self._data_work], timeout_at, self.what)
+            _wait_works([self._data_work], timeout_at, self)
             if self._buf is not self._tensor:
                 self._tensor.copy_(self._buf)
             self._done_at = self._state.arrive(departed, int(nbytes))
