@@ -216,6 +216,32 @@ class Op:
         self.description = description
         self.check = True
         self.described: set = set()  # peers whose first message carried the description
+        self.announcements: list = []  # (peer, handle, buffer) of announcements not checked
+        self.announcement_sends: list = []
+
+    def finish(self) -> None:
+        """At the op's end: announcements checked (also where no data was waited for)."""
+        self.check_announcements()
+        sends, self.announcement_sends = self.announcement_sends, []
+        for handle in sends:
+            handle.wait()
+
+    def check_announcements(self) -> None:
+        """Wait for the peers' announcements of their operation; raise if one differs."""
+        pending, self.announcements = self.announcements, []
+        for src, handle, box in pending:
+            try:
+                handle.wait()
+            except CollectiveMismatchError:
+                raise
+            except RuntimeError as exc:  # data came where the announcement should be
+                raise CollectiveMismatchError(
+                    f"rank {dist.get_rank()} runs {self.description}, but rank {src} sent "
+                    f"something else first ({exc})"
+                ) from exc
+            error = _mismatch(self, src, *_read_announcement(box)) if self.check else None
+            if error is not None:
+                raise error
 
     def introduce_to(self, peer: int) -> bytes:
         """The description for the first message to ``peer`` (b"" after that)."""
@@ -345,7 +371,8 @@ class _Message(handles.Tracked):
     ``timeout`` seconds; a failure is raised by ``wait()``."""
 
     def __init__(self, what):
-        super().__init__(what, kit=current_op() is not None)
+        self._op = current_op()
+        super().__init__(what, kit=self._op is not None)
 
     def _settle(self, timeout_at: float | None) -> None:
         """Block until the message is through (or raise TimeoutError at ``timeout_at``)."""
@@ -355,14 +382,12 @@ class _Message(handles.Tracked):
         raise NotImplementedError
 
     def _wait(self, timeout_at):
+        if self._op is not None and self._op.announcements:
+            self._op.check_announcements()  # before any of the op's data is trusted
         self._settle(timeout_at)
 
     def is_completed(self) -> bool:
         return self._finished()
-
-
-def _deadline(timeout) -> float | None:
-    return None if timeout is None else time.perf_counter() + float(timeout)
 
 
 def _poll_until(done, timeout_at: float | None, handle) -> None:
@@ -781,6 +806,12 @@ def _shared_memory(tensor: torch.Tensor) -> bool:
     return _channels is not None and tensor.device.type == "cpu"
 
 
+def through_shared_memory(tensor: torch.Tensor) -> bool:
+    """Whether messages of ``tensor`` go through the kit's shared memory (an emulated
+    link between ranks of one ``ok.launch``), rather than through a process group."""
+    return _link is not None and _shared_memory(tensor)
+
+
 # --------------------------------------------------------------------------- the four calls
 
 
@@ -865,8 +896,9 @@ def announce_and_check(to: list[int], frm: list[int], group, device, data_follow
     and an op's first message to a peer its description, so when data will
     flow to every peer in ``to`` (``data_follows``) that *is* the announcement,
     at no cost. Otherwise — an op with nothing to send to some peer, or a
-    process group in between — it is a small message of its own, in the data's
-    order, so a mismatch is caught before any data lands.
+    process group in between — it is a small message of its own, sent ahead of
+    the data and checked when the op first waits for one of its messages (so
+    the data is already on its way, and a mismatch is caught before any is used).
     """
     op = current_op()
     if data_follows and _link is not None and _channels is not None and device.type == "cpu":
@@ -877,17 +909,5 @@ def announce_and_check(to: list[int], frm: list[int], group, device, data_follow
     sends = [_isend(_announcement(op, device), dst, group, free, _BEGIN_TAG) for dst in to]
     boxes = [torch.empty(_ANNOUNCE_BYTES, dtype=torch.uint8, device=device) for _ in frm]
     recvs = [_irecv(box, src, group, free, _BEGIN_TAG) for box, src in zip(boxes, frm, strict=True)]
-    for src, handle, box in zip(frm, recvs, boxes, strict=True):
-        try:
-            handle.wait()
-        except CollectiveMismatchError:
-            raise
-        except RuntimeError as exc:  # data came where the announcement should be
-            raise CollectiveMismatchError(
-                f"rank {dist.get_rank()} runs {op.description}, but rank {src} sent "
-                f"something else first ({exc})"
-            ) from exc
-        error = _mismatch(op, src, *_read_announcement(box)) if op.check else None
-        if error is not None:
-            raise error
-    wait_all(sends)
+    op.announcements = list(zip(frm, recvs, boxes, strict=True))
+    op.announcement_sends = sends  # kept alive until the op ends (gloo sends by reference)
