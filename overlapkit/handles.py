@@ -21,12 +21,8 @@ _unwaited: dict = {}
 _lock = threading.Lock()
 
 
-def issue_site() -> str:
-    """``file:line`` of the first caller outside overlapkit (the learner's line)."""
-    return _format_site(_caller())
-
-
 def _caller() -> tuple[str, int] | None:
+    """(file, line) of the first caller outside overlapkit (the learner's line)."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
         frame = frame.f_back

@@ -337,17 +337,29 @@ def _to_pg_rank(group, rank: int) -> int:
     return rank if group is None else dist.get_group_rank(group, rank)
 
 
+def _kit_tag(tag: int) -> int:
+    """A kit op's messages carry its signature in their tag (announcements excepted):
+    gloo matches by tag, so the data of two ranks that disagree never meets (gloo
+    aborts the process on a size mismatch) and the announcements can tell them."""
+    op = current_op()
+    if tag == _BEGIN_TAG or op is None or not op.check:
+        return tag
+    return (tag & 0x7FF) << 20 | op.signature & 0xFFFFF  # below 2³¹: gloo takes int tags
+
+
 def _pg_send(tensor: torch.Tensor, dst: int, group, tag: int):
     """Start sending through the stream's process group; the user stream uses ``group``."""
     if current_op() is None:
         return dist.isend(tensor, dst, group=group, tag=tag)
-    return _kit_group(group, tensor.device).send([tensor], _to_pg_rank(group, dst), tag)
+    pg = _kit_group(group, tensor.device)
+    return pg.send([tensor], _to_pg_rank(group, dst), _kit_tag(tag))
 
 
 def _pg_recv(tensor: torch.Tensor, src: int, group, tag: int):
     if current_op() is None:
         return dist.irecv(tensor, src, group=group, tag=tag)
-    return _kit_group(group, tensor.device).recv([tensor], _to_pg_rank(group, src), tag)
+    pg = _kit_group(group, tensor.device)
+    return pg.recv([tensor], _to_pg_rank(group, src), _kit_tag(tag))
 
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:
