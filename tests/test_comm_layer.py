@@ -489,3 +489,51 @@ def _no_device_sync_per_message():
 def test_on_cuda_issuing_and_waiting_kit_ops_never_synchronises_the_callers_stream():
     world = 2 if torch.cuda.device_count() >= 2 else 1
     assert ok.launch(_no_device_sync_per_message, world_size=world, timeout=120) == [True] * world
+
+
+# ---------------------------------------------------------------- under torchrun
+
+
+def test_under_torchrun_kit_ops_in_flight_neither_pair_with_the_users_nor_abort_the_exit(
+    tmp_path,
+):
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch, torch.distributed as dist
+            import overlapkit as ok
+
+            def train():
+                me = ok.rank()
+                for i in range(20):
+                    grad = torch.full((3000,), float(me + 1))
+                    h = ok.ring_all_reduce(grad, async_op=True)
+                    loss = torch.tensor([float(i)])
+                    dist.all_reduce(loss)  # the learner's own collective, in between
+                    h.wait()
+                    assert torch.all(grad == 3) and loss.item() == 2 * i, (i, loss)
+                ok.ring_all_reduce(torch.ones(100), async_op=True)  # left in flight
+                return "done"
+
+            values = ok.launch(train, world_size=2)
+            with open(f"out{ok.rank()}.txt", "w") as f:
+                f.write(" ".join(values))
+            """
+        )
+    )
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    for _ in range(2):  # the abort at exit was intermittent: twice
+        proc = subprocess.run(
+            [*torchrun, "--nproc-per-node", "2", str(script)],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "was never waited" in proc.stderr
+        for r in (0, 1):
+            assert (tmp_path / f"out{r}.txt").read_text() == "done done"
