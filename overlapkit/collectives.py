@@ -239,9 +239,9 @@ class _Executor:
         with self._cond:
             ticket = self._issued
             self._issued += 1
-        if not async_op:
-            with self._cond:
+            if not async_op and self._done != ticket:  # wait for the ops issued before
                 self._cond.wait_for(lambda: self._done == ticket)
+        if not async_op:
             try:
                 result, done = self._execute(fn, call, device, None)
             finally:
@@ -274,11 +274,12 @@ class _Executor:
             )
         was, self._turn.active = self.in_turn(), True
         try:
-            with p2p.running(op), _comm_stream(device, ready) as done:
-                result = fn()
-                if op is not None:
-                    op.finish()
-            return result, done.event
+            with p2p.running(op):
+                if device is not None and device.type == "cuda":
+                    with _comm_stream(device, ready) as done:
+                        result = _run_op(fn, op)
+                    return result, done.event
+                return _run_op(fn, op), None
         except BaseException as exc:
             if op is not None:
                 self._broken = f"{op.description}: {type(exc).__name__}: {exc}"
@@ -318,6 +319,13 @@ class _Executor:
                 self._advance()
 
 
+def _run_op(fn, op):
+    result = fn()
+    if op is not None:
+        op.finish()  # its announcements checked, also where no data was waited for
+    return result
+
+
 class _Done:
     event = None
 
@@ -327,9 +335,6 @@ def _comm_stream(device, ready):
     """On CUDA, run on the kit's communication stream, after ``ready``; yields an object
     whose ``event`` marks the end of the op's work on that stream."""
     done = _Done()
-    if device is None or device.type != "cuda":
-        yield done
-        return
     stream = _cuda_streams.setdefault(device, torch.cuda.Stream(device))
     if ready is not None:
         stream.wait_event(ready)

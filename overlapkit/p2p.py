@@ -329,6 +329,7 @@ def forget_private_groups() -> None:
     with _private_lock:
         _private.clear()
     _world_name = None
+    _ends.clear()
     for hook in _forget_hooks:
         hook()
 
@@ -483,11 +484,12 @@ class _Send(_OnTheLink):
 
 def _describe(kind: str, tensor: torch.Tensor, peer_word: str, peer: int):
     """The text that names a message in errors, made only when one is needed."""
-    op, shape, dtype = current_op(), tuple(tensor.shape), str(tensor.dtype)
+    op, shape, dtype = current_op(), tensor.shape, tensor.dtype
 
     def text():
         where = f" in {op.description.split(',')[0]}" if op is not None else ""
-        return f"{kind} of {shape} {dtype.removeprefix('torch.')} {peer_word} rank {peer}{where}"
+        kind_of = f"{kind} of {tuple(shape)} {str(dtype).removeprefix('torch.')}"
+        return f"{kind_of} {peer_word} rank {peer}{where}"
 
     return text
 
@@ -544,10 +546,20 @@ class _Pusher:
 _pushers: dict = {}
 
 
+_ends: dict = {}  # (stream, group, peer, shared?) -> channel end or inbox: a hot lookup
+
+
+def _outgoing(op: Op | None, group, dst: int) -> shm.Outgoing:
+    key = (op is None, group, dst)
+    out = _ends.get(key)
+    if out is None:
+        out = _ends[key] = _channels.outgoing(f"{KIT if op else USER}-{_group_name(group)}", dst)
+    return out
+
+
 def _send_shared(tensor: torch.Tensor, dst: int, group, state: _LinkState) -> _Send:
     op = current_op()
-    namespace = f"{KIT if op else USER}-{_group_name(group)}"
-    out = _channels.outgoing(namespace, dst)
+    out = _outgoing(op, group, dst)
     data = tensor.contiguous()  # kept alive by the pusher while it is pending
     address, nbytes = shm.address_of(data)
     seq, signature = (op.seq, op.signature) if op else (0, 0)
@@ -729,10 +741,13 @@ class _Receive(_OnTheLink):
         self.landed = threading.Event()
         self._error: BaseException | None = None
         self.eager = tensor.numel() * tensor.element_size() >= EAGER_BYTES
-        shared = _shared_memory(tensor)
-        namespace = f"{KIT if self._op else USER}-{_group_name(group)}"
-        self._inbox = _inbox(namespace, src, shared)
-        self._inbox.post(self)
+        key = (self._op is None, group, src, _shared_memory(tensor))
+        inbox = _ends.get(key)
+        if inbox is None:
+            namespace = f"{KIT if self._op else USER}-{_group_name(group)}"
+            inbox = _ends[key] = _inbox(namespace, src, key[-1])
+        self._inbox = inbox
+        inbox.post(self)
 
     def _expected(self) -> int:
         return self._tensor.numel() * self._tensor.element_size()
