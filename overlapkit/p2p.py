@@ -287,6 +287,7 @@ def _mismatch(op: Op, peer: int, seq: int, signature: int, description: str):
 
 _private: dict = {}
 _private_lock = threading.Lock()
+_making: dict = {}
 
 
 def _kit_group(group, device: torch.device):
@@ -296,22 +297,28 @@ def _kit_group(group, device: torch.device):
     making it needs no collective on the user's groups: each member makes it
     when it runs its first kit collective on ``group`` (which every member runs).
     """
-    name, kind = _group_name(group), device.type
-    with _private_lock:
-        pg = _private.get((name, kind))
-        if pg is None:
-            from datetime import timedelta
-
-            import torch.distributed.distributed_c10d as c10d
-
-            store = dist.PrefixStore(f"overlapkit/{kind}/{name}", c10d._get_default_store())
-            me, size = dist.get_rank(group), dist.get_world_size(group)
-            if kind == "cuda":
-                pg = dist.ProcessGroupNCCL(store, me, size)
-            else:
-                pg = dist.ProcessGroupGloo(store, me, size, timedelta(seconds=3600))
-            _private[(name, kind)] = pg
+    key = (_group_name(group), device.type)
+    pg = _private.get(key)
+    if pg is not None:
         return pg
+    with _private_lock:  # one maker per group: making one waits for the peers to make it,
+        making = _making.setdefault(key, threading.Lock())  # so groups do not wait in line
+    with making:
+        if key not in _private:
+            _private[key] = _make_kit_group(group, *key)
+    return _private[key]
+
+
+def _make_kit_group(group, name: str, kind: str):
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
+
+    store = dist.PrefixStore(f"overlapkit/{kind}/{name}", c10d._get_default_store())
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    if kind == "cuda":
+        return dist.ProcessGroupNCCL(store, me, size)
+    return dist.ProcessGroupGloo(store, me, size, timedelta(seconds=3600))
 
 
 _forget_hooks: list = []
@@ -363,11 +370,16 @@ def _pg_recv(tensor: torch.Tensor, src: int, group, tag: int):
     return pg.recv([tensor], _to_pg_rank(group, src), _kit_tag(tag))
 
 
+_side_streams: dict = {}
+
+
 def _host(tensor: torch.Tensor) -> torch.Tensor:
     """A small received tensor on the host, without synchronising the caller's CUDA stream."""
     if tensor.device.type != "cuda":
         return tensor
-    side = torch.cuda.Stream(tensor.device)
+    side = _side_streams.get(tensor.device)
+    if side is None:
+        side = _side_streams[tensor.device] = torch.cuda.Stream(tensor.device)
     with torch.cuda.stream(side):
         side.wait_stream(torch.cuda.current_stream(tensor.device))
         out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)

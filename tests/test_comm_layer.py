@@ -339,9 +339,10 @@ def _two_threads_two_groups(iterations):
     return results, errors
 
 
-def test_two_threads_driving_a_group_each_never_wait_for_each_other():
+@pytest.mark.parametrize("link", [None, ok.Link(50, 1)], ids=LINK_IDS)
+def test_two_threads_driving_a_group_each_never_wait_for_each_other(link):
     for results, errors in ok.launch(
-        _two_threads_two_groups, 20, world_size=2, link=ok.Link(50, 1), timeout=60
+        _two_threads_two_groups, 20, world_size=2, link=link, timeout=60
     ):
         assert errors == [] and results == [True, True]
 
