@@ -121,6 +121,16 @@ def report_unwaited(grace_s: float = 5.0) -> None:
         ) from exc
 
 
+def take_unwaited() -> list[str]:
+    """Describe and stop tracking the handles not waited so far (for a check to report)."""
+    with _lock:
+        left = list(_unwaited.values())
+        _unwaited.clear()
+    for handle in left:
+        handle.waited = True
+    return [f"{h.what} (started at {h.site})" for h in left]
+
+
 def forget_all() -> None:
     """Drop every tracked handle (a new launch in a reused process)."""
     with _lock:

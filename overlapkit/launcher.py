@@ -251,7 +251,7 @@ def launch(
     if outcome.timed_out:
         raise _timeout_error(outcome.running, world_size, timeout, stacks)
     if outcome.failure is not None:
-        raise _rebuild_failure(outcome, world_size)
+        raise _rebuild_failure(outcome, world_size, logs)
     return [cloudpickle.loads(outcome.values[r]) for r in range(world_size)]
 
 
@@ -519,7 +519,20 @@ def _format_frames(frames) -> str:
     return "\n".join(lines)
 
 
-def _rebuild_failure(outcome: _Outcome, world: int) -> BaseException:
+#: lines of a dying process's output that say why (C++ exceptions, gloo/NCCL checks)
+_LAST_WORDS = re.compile(r"what\(\)|terminate called|Error|error|enforce fail|Aborted")
+
+
+def last_words(log: str) -> str:
+    """The last line of a rank's output that says why it died ('' when none does)."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if _LAST_WORDS.search(line):
+            return line.removeprefix("what():").strip()
+    return ""
+
+
+def _rebuild_failure(outcome: _Outcome, world: int, logs=()) -> BaseException:
     rank, message = outcome.failure
     others = sorted(r for r in outcome.errors if r != rank)
     header = f"raised on rank {rank} of {world}"
@@ -540,7 +553,11 @@ def _rebuild_failure(outcome: _Outcome, world: int) -> BaseException:
             if code and code < 0
             else f"exited with code {code}"
         )
-        return RankFailedError(f"rank {rank} of {world} {how} before returning", rank)
+        said = last_words(logs[rank]) if rank < len(logs) else ""
+        why = f"; its last words: {said}" if said else ""
+        error = RankFailedError(f"rank {rank} of {world} {how} before returning{why}", rank)
+        error.last_words = said
+        return error
     _, exc_bytes, type_name, text, frames, chained = message
     remote = ""
     if chained:

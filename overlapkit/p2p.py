@@ -607,9 +607,12 @@ class _Inbox:
     def __init__(self):
         self.lock = threading.Lock()
         self.pending: collections.deque = collections.deque()
+        self.posted = self.mark = 0
 
     def post(self, receive: _Receive) -> None:
         with self.lock:  # header receives are matched in the order they are posted
+            self.posted += 1
+            receive.index = self.posted - self.mark
             receive.post_to_group()
             self.pending.append(receive)
 
@@ -656,11 +659,14 @@ class _SharedInbox:
         self.cond = threading.Condition()  # guards pending and waiters
         self.pending: collections.deque = collections.deque()
         self.waiters = 0
+        self.posted = self.mark = 0
         self.eager = 0  # pending receives of at least EAGER_BYTES
         threading.Thread(target=self._background, name="overlapkit-inbox", daemon=True).start()
 
     def post(self, receive: _Receive) -> None:
         with self.cond:
+            self.posted += 1
+            receive.index = self.posted - self.mark
             self.pending.append(receive)
             if receive.eager:
                 self.eager += 1
@@ -743,6 +749,23 @@ def _inbox(namespace: str, src: int, shared: bool) -> _Inbox | _SharedInbox:
 _GROUP_HEADER = 4
 
 
+_SINCE = ""  # ", since ..." once mark_messages() was called
+
+
+def mark_messages(since: str) -> None:
+    """Count received messages from here on (errors say "the 3rd message ... {since}")."""
+    global _SINCE
+    _SINCE = f" {since}"
+    with _inboxes_lock:
+        for inbox in _inboxes.values():
+            inbox.mark = inbox.posted
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
 class _Receive(_OnTheLink):
     """A message being received: done α after its last byte came in on the incoming link."""
 
@@ -772,8 +795,9 @@ class _Receive(_OnTheLink):
             t = self._tensor
             raise RuntimeError(
                 f"rank {dist.get_rank()} posted a receive of {self._expected()} bytes "
-                f"({tuple(t.shape)} {t.dtype}) from rank {self._src}, "
-                f"but rank {self._src} sent {nbytes} bytes"
+                f"({tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}) from rank "
+                f"{self._src} (the {_ordinal(self.index)} message it receives from rank "
+                f"{self._src}{_SINCE}), but rank {self._src} sent {nbytes} bytes."
             )
 
     def land_segment(self, incoming: shm.Incoming, header: tuple) -> bool:

@@ -14,29 +14,42 @@ from overlapkit.grading import traffic
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 
 
-def _ring_over(tensor, bounds):
-    """A learner-style ring AllReduce on raw dist.isend/irecv over the given chunk bounds."""
+def _ring_over(tensor, bounds, mistake=None):
+    """A learner-style ring AllReduce on ok.p2p over the given chunk bounds, with an
+    optional planted ``mistake`` (as learners make them)."""
     me, world = dist.get_rank(), dist.get_world_size()
     flat, right, left = tensor.view(-1), (me + 1) % world, (me - 1) % world
+    isend, irecv = ok.p2p.isend, ok.p2p.irecv
+    if mistake == "torch p2p":
+        isend, irecv = dist.isend, dist.irecv
 
     def step(send, recv):
         tmp = torch.empty(recv[1] - recv[0])
-        reqs = [dist.isend(flat[send[0] : send[1]].clone(), right), dist.irecv(tmp, left)]
-        for q in reqs:
+        reqs = []
+        if send[1] > send[0] or mistake != "skip empty on the sender only":
+            reqs.append(isend(flat[send[0] : send[1]].clone(), right))
+        reqs.append(irecv(tmp, left))
+        for q in reqs[:1] if mistake == "wait on the first handle only" else reqs:
             q.wait()
         return tmp
 
     for k in range(world - 1):  # reduce-scatter
-        recv = bounds[(me - k - 2) % world]
-        flat[recv[0] : recv[1]] += step(bounds[(me - k - 1) % world], recv)
+        back = 1 if mistake == "receive chunk r-k-1" else 2
+        recv = bounds[(me - k - back) % world]
+        got = step(bounds[(me - k - 1) % world], recv)
+        if mistake == "receive without adding":
+            flat[recv[0] : recv[1]] = got
+        else:
+            flat[recv[0] : recv[1]] += got
     for k in range(world - 1):  # all-gather
         recv = bounds[(me - k - 1) % world]
         flat[recv[0] : recv[1]] = step(bounds[(me - k) % world], recv)
 
 
-def student_ring(tensor):
+def student_ring(tensor, mistake=None):
     """Uneven chunks handled: sizes differ by at most one element."""
-    _ring_over(tensor, ok.collectives.chunk_bounds(tensor.numel(), dist.get_world_size()))
+    bounds = ok.collectives.chunk_bounds(tensor.numel(), dist.get_world_size())
+    _ring_over(tensor, bounds, mistake)
 
 
 def assumes_divisible(tensor):
@@ -81,10 +94,47 @@ def test_a_ring_that_assumes_divisible_sizes_is_told_which_rank_and_chunk_differ
     report = ok.grading.check_all_reduce(assumes_divisible, world_sizes=(3,))
     ((passed, message),) = report.cases
     assert not passed
-    # 1 element over 3 ranks: every chunk is empty, so nothing is reduced at all
+    # 12 elements pass; 1031 = 3 × 343 + 2: the last two elements are never reduced
     assert message.startswith(
-        "3 ranks, a tensor of 1 elements: rank 0, chunk 0 (elements 0-0) differs first at element 0"
-    )
+        "3 ranks, a tensor of 1031 elements: rank 0, chunk 2 (elements 688-1030) differs first "
+        "at element 1029: expected 3, got 2."
+    ), message
+    assert "chunks must cover every element" in message
+
+
+def _mistake(mistake):
+    def ring(tensor):
+        student_ring(tensor, mistake)
+
+    return ring
+
+
+@pytest.mark.parametrize(
+    "mistake, world, expected",
+    [
+        # 2 ranks, 8 elements: rank 0 adds rank 1's chunk into the chunk it sends
+        ("receive chunk r-k-1", 2, "It holds x0 (xr: rank r's input there), not x0 + x1: "
+                                   "this rank's own input, untouched"),
+        # 3 ranks: the evenly divisible case, reported first, says more than a size error
+        ("receive chunk r-k-1", 3, "12 elements: rank 0, chunk 0 (elements 0-3) differs first "
+                                   "at element 0: expected 7, got 6. It holds x0"),
+        ("receive without adding", 3, "one rank's values only. A received chunk replaced the "
+                                      "local one instead of being added to it"),
+        ("skip empty on the sender only", 3, "on a tensor of 2 elements: rank 1 posted a receive "
+                                             "of 0 bytes"),
+        ("skip empty on the sender only", 3, "an empty chunk must be skipped by both ends or "
+                                             "by neither"),
+        ("wait on the first handle only", 2, "never waited on 2 handle(s), first receive of"),
+        ("torch p2p", 2, "rank 0 used torch.distributed.irecv, torch.distributed.isend: send "
+                         "and receive with ok.p2p"),
+    ],
+)  # fmt: skip
+def test_each_typical_ring_mistake_is_named_by_the_check(mistake, world, expected):
+    start = time.monotonic()
+    report = ok.grading.check_all_reduce(_mistake(mistake), world_sizes=(world,))
+    ((passed, message),) = report.cases
+    assert not passed and expected in message, message
+    assert "SIGABRT" not in message and time.monotonic() - start < 12
 
 
 def test_calling_a_built_in_or_the_kit_collective_fails_a_from_scratch_exercise():

@@ -1,12 +1,18 @@
 """Checks for collective exercises (labs 01-03): AllReduce, ReduceScatter, AllGather.
 
 Each check runs the learner's function on several world sizes (3 included) and
-awkward sizes (1 element, fewer elements than ranks, not divisible by the world
-size), compares every rank's result with the truth, and says exactly what
-differs: world size, size, rank, chunk and element, expected vs got. With
-``from_scratch=True`` it also fails a function that calls a built-in
-collective (or the kit's own) instead of sending and receiving. A hanging
-attempt is stopped at ``timeout`` and the report says where each rank waited.
+sizes ordered from the most telling to the most awkward (divisible by the
+world size, then not, then fewer elements than ranks), compares every rank's
+result with the truth, and says exactly what differs: world size, size, rank,
+chunk and element, expected vs got, the ranks' inputs there, what the wrong
+values are made of ("x0 + x2: rank 1's part is missing") and the likely
+mistake. With ``from_scratch=True`` it also fails a function that calls a
+built-in collective (or the kit's own), or that sends with torch.distributed's
+own send/recv instead of ``ok.p2p`` (those bypass the emulated link, so any
+timing of them would beat the bound). The learner's ``ok.p2p`` messages go
+over a link that costs nothing, so that a send and a receive of different
+sizes is an error naming both, never a crashed process. A hanging attempt is
+stopped at ``timeout`` and the report says where each rank waited.
 
 Inputs are small integers stored as floats, so sums are exact in any order and
 the numbers in a message are readable.
@@ -14,17 +20,29 @@ the numbers in a message are readable.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..collectives import chunk_bounds
-from .common import run_or_report
+from ..p2p import Link
+from .common import report_failure
 from .report import Report
+from .traffic import Traffic, run_recorded
 
 WORLD_SIZES = (2, 3, 4)
+#: the learner's ok.p2p messages go over this link in a check: it costs nothing, and
+#: its headers turn a send/receive size mismatch into an error instead of an abort
+CHECK_LINK = Link(latency_us=0, bandwidth_gbps=1000)
+TIMEOUT_S = 10.0
 
 
 def _sizes(world: int) -> list[int]:
-    return sorted({1, max(1, world - 1), world, 7, 1031})
+    """Sizes in the order failures are most telling: divisible by the world size (the
+    algorithm itself), then not (uneven chunks), then fewer elements than ranks
+    (empty chunks)."""
+    sizes = [4 * world, 1031, 7, max(1, world - 1), 1]
+    return list(dict.fromkeys(sizes))
 
 
 def _input(rank: int, numel: int, salt: int) -> torch.Tensor:
@@ -47,14 +65,40 @@ def _truth(world, numel, salt, op):
     }[op]
 
 
+class CaseError(RuntimeError):
+    """A case raised on a rank: says which case, and carries the cases done before it
+    (``done``), so the check can still report an earlier, more telling wrong value."""
+
+    done: list = []
+
+
+def _case(what: str, call, done: list):
+    """Run one case: (its return value, handles it left un-waited); an error names the
+    case (and messages are counted from it)."""
+    from .. import handles, p2p
+
+    p2p.mark_messages("in this call")
+    try:
+        value = call()
+        return value, handles.take_unwaited()
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised with the case named
+        error = CaseError(f"on {what}: {exc}")
+        error.done = done
+        raise error from exc
+
+
 def _run_all_reduce(fn, op):
     import overlapkit as ok
 
     me, world, out = ok.rank(), ok.world_size(), []
     for salt, numel in enumerate(_sizes(world)):
         t = _input(me, numel, salt)
-        returned = _call(fn, op, t)
-        out.append((numel, t, returned if isinstance(returned, torch.Tensor) else None))
+        returned, unwaited = _case(
+            f"a tensor of {numel} elements", lambda t=t: _call(fn, op, t), out
+        )
+        out.append((numel, t, returned if isinstance(returned, torch.Tensor) else None, unwaited))
     return out
 
 
@@ -64,8 +108,10 @@ def _run_reduce_scatter(fn, op):
     me, world, out = ok.rank(), ok.world_size(), []
     for salt, per_rank in enumerate(_sizes(world)):
         output = torch.full((per_rank,), float("nan"))
-        _call(fn, op, output, _input(me, per_rank * world, salt))
-        out.append((per_rank, output, None))
+        inp = _input(me, per_rank * world, salt)
+        what = f"an input of {per_rank * world} elements"
+        _, unwaited = _case(what, lambda o=output, i=inp: _call(fn, op, o, i), out)
+        out.append((per_rank, output, None, unwaited))
     return out
 
 
@@ -75,8 +121,10 @@ def _run_all_gather(fn, op):
     me, world, out = ok.rank(), ok.world_size(), []
     for salt, per_rank in enumerate(_sizes(world)):
         output = torch.full((per_rank * world,), float("nan"))
-        fn(output, _input(me, per_rank, salt))
-        out.append((per_rank, output, None))
+        inp = _input(me, per_rank, salt)
+        what = f"an output of {per_rank * world} elements"
+        _, unwaited = _case(what, lambda o=output, i=inp: fn(o, i), out)
+        out.append((per_rank, output, None, unwaited))
     return out
 
 
@@ -90,59 +138,204 @@ def _first_difference(got: torch.Tensor, want: torch.Tensor, bounds):
     return i, chunk
 
 
-def _first_problem(results, world, expected, op, from_scratch) -> str | None:
-    """The first thing wrong, rank by rank and case by case, said precisely; None if none."""
-    for rank, (cases, traffic) in enumerate(results):
+def _kind(numel: int, world: int) -> str:
+    if numel < world:
+        return "tiny"
+    return "even" if numel % world == 0 else "uneven"
+
+
+def _composition(got: torch.Tensor, parts: list[torch.Tensor]) -> list[int] | None:
+    """Multiplicities m (each in -1..2) with got == Σ m[r]·parts[r] on every element, or None;
+    the combination closest to all ones first (fewest wrong terms)."""
+    combos = sorted(
+        itertools.product((-1, 0, 1, 2), repeat=len(parts)), key=lambda m: sum(x != 1 for x in m)
+    )
+    for m in combos:
+        total = sum(k * x for k, x in zip(m, parts, strict=True))
+        if torch.equal(got, total):
+            return list(m)
+    return None
+
+
+def _explain_composition(m: list[int], rank: int) -> str:
+    terms = " ".join(
+        f"{'-' if k < 0 else '+'} {abs(k) if abs(k) > 1 else ''}x{r}".replace("+ ", "+ ", 1)
+        for r, k in enumerate(m)
+        if k
+    ).lstrip("+ ")
+    if not terms:
+        return "It holds zeros: nothing was reduced into it."
+    missing = [r for r, k in enumerate(m) if k == 0]
+    doubled = [r for r, k in enumerate(m) if k == 2]
+    negative = [r for r, k in enumerate(m) if k < 0]
+    everyone = " + ".join(f"x{r}" for r in range(len(m))) if len(m) <= 3 else "x0 + ... + x3"
+    said = f"It holds {terms} (xr: rank r's input there), not {everyone}"
+    if m == [int(r == rank) for r in range(len(m))]:
+        return said + ": this rank's own input, untouched: nothing was received into it."
+    if sum(1 for k in m if k) == 1:
+        return said + (
+            ": one rank's values only. A received chunk replaced the local one instead of "
+            "being added to it (reduce-scatter must add: acc[chunk] += received)."
+        )
+    notes = []
+    if negative:
+        notes.append(f"rank(s) {negative} subtracted")
+    if missing:
+        notes.append(f"rank(s) {missing} missing")
+    if doubled:
+        notes.append(f"rank(s) {doubled} counted twice")
+    return (
+        said + f": {', '.join(notes)}. In each reduce-scatter step a rank adds the chunk it "
+        "receives into the chunk of the same index: check the indices (mod N) of the chunk "
+        "sent, (r-k-1) mod N, and received, (r-k-2) mod N."
+    )
+
+
+def _inputs_line(parts: list[torch.Tensor], want, got) -> str:
+    def show(t):
+        return "[" + ", ".join(f"{v:g}" for v in t.tolist()) + "]"
+
+    ranks = "; ".join(f"x{r} = {show(p)}" for r, p in enumerate(parts))
+    return f" Inputs there: {ranks}; expected {show(want)}, got {show(got)}."
+
+
+def _likely_cause(failing: list[str]) -> str:
+    """What the set of failing size kinds (even / uneven / tiny) points to."""
+    kinds = set(failing)
+    if kinds == {"tiny"}:
+        return (
+            " Every size with at least one element per rank is right; with fewer elements "
+            "than ranks some chunks are empty: both ends of a step must skip an empty chunk "
+            "(or both send it), else a receive meets the wrong message or none."
+        )
+    if "even" not in kinds:
+        return (
+            " Sizes that divide by the number of ranks are right, the others are not: the "
+            "chunks must cover every element (the first numel % N chunks get one more), "
+            "not numel // N each."
+        )
+    return ""
+
+
+def _first_problem(results, world, expected, op, from_scratch, inputs=None) -> str | None:
+    """The first thing wrong, said precisely; None if none. ``results``: (rank, cases,
+    traffic) triples. Cases are visited in the order of :func:`_sizes` (most telling
+    first), ranks in order."""
+    for rank, _, traffic in results:
         if from_scratch and traffic.collectives:
             called = ", ".join(sorted(set(traffic.collectives)))
             return f"rank {rank} called {called}: build it from send/recv (isend/irecv) only"
-        for salt, (numel, got, returned) in enumerate(cases):
+        if from_scratch and traffic.direct:
+            called = ", ".join(sorted(set(traffic.direct)))
+            return (
+                f"rank {rank} used {called}: send and receive with ok.p2p "
+                "(isend/irecv/send/recv). torch.distributed's own messages bypass the "
+                "kit's emulated link, so any timing of them would beat a bound no ring can beat"
+            )
+    first, failing = None, []  # the first wrong value; the size kinds that went wrong
+    for salt in range(max(len(cases) for _, cases, _ in results)):
+        for rank, cases, _ in results:
+            if salt >= len(cases):
+                continue
+            numel, got, returned, unwaited = cases[salt]
+            if unwaited:
+                return (
+                    f"{world} ranks, {numel} elements: rank {rank} never waited on "
+                    f"{len(unwaited)} handle(s), first {unwaited[0]}. Wait on every handle "
+                    "(ok.p2p.wait_all): a receive not waited may never be written into its "
+                    "tensor, and a send not waited may never arrive."
+                )
             want, bounds, what = expected(world, rank, numel, salt, op)
             diff = _first_difference(got, want, bounds)
             if diff is None:
                 continue
-            i, chunk = diff
-            lo, hi = bounds[chunk]
-            note = ""
-            if returned is not None and torch.allclose(returned.reshape(-1).float(), want):
-                note = " You returned the right values: the operation must be in place."
-            return (
-                f"{world} ranks, {what} of {numel} elements: rank {rank}, chunk {chunk} "
-                f"(elements {lo}-{hi - 1}) differs first at element {i}: expected "
-                f"{want[i].item():g}, got {got[i].item():g}.{note}"
-            )
-    return None
+            failing.append(_kind(numel, world))
+            if first is None:
+                first = (rank, salt, numel, got, returned, want, bounds, what, diff)
+            break
+    if first is None:
+        return None
+    rank, salt, numel, got, returned, want, bounds, what, (i, chunk) = first
+    lo, hi = bounds[chunk]
+    message = (
+        f"{world} ranks, {what} of {numel} elements: rank {rank}, chunk {chunk} "
+        f"(elements {lo}-{hi - 1}) differs first at element {i}: expected "
+        f"{want[i].item():g}, got {got[i].item():g}."
+    )
+    if returned is not None and torch.allclose(returned.reshape(-1).float(), want):
+        return message + " You returned the right values: the operation must be in place."
+    if inputs is not None:
+        parts = [x[lo:hi] for x in inputs(world, numel, salt)]
+        if op == "sum":
+            m = _composition(got[lo:hi], parts)
+            if m is not None:
+                message += " " + _explain_composition(m, rank)
+        if hi - lo <= 8:
+            message += _inputs_line(parts, want[lo:hi], got[lo:hi])
+    return message + _likely_cause(failing)
 
 
-def _check(name, fn, runner, expected, world_sizes, op, from_scratch, timeout) -> Report:
+_SIZE_MISMATCH = (
+    " A send and the receive it met disagree in size: in each step both ends must use the "
+    "same chunk (send chunk (r-k-1) mod N to the right, receive (r-k-2) mod N from the left "
+    "in reduce-scatter; (r-k) and (r-k-1) in all-gather), and an empty chunk must be skipped "
+    "by both ends or by neither."
+)
+
+
+def _explain_failure(text: str) -> str:
+    """A rank's error (or a crashed rank's last words) in the exercise's terms."""
+    if "posted a receive of" in text or "data size doesn't match" in text:
+        return _SIZE_MISMATCH
+    return ""
+
+
+def _check(name, fn, runner, expected, world_sizes, op, from_scratch, timeout,
+           inputs=None) -> Report:  # fmt: skip
     report = Report(name)
     for world in world_sizes:
-        results = run_or_report(report, f"{name} on {world} ranks", runner, fn, op,
-                                world_size=world, timeout=timeout)  # fmt: skip
-        if results is None:
+        what = f"{name} on {world} ranks"
+        try:
+            results = run_recorded(runner, fn, op, world_size=world, timeout=timeout,
+                                   link=CHECK_LINK)  # fmt: skip
+        except CaseError as exc:  # a value wrong before the error says more than the error
+            done = [(exc.rank, exc.done, Traffic())]
+            problem = _first_problem(done, world, expected, op, False, inputs)
+            text = f"rank {exc.rank} raised {exc}"
+            report.fail(f"{what}: " + (problem or text + _explain_failure(str(exc))))
             return report
-        problem = _first_problem(results, world, expected, op, from_scratch)
+        except Exception as exc:  # noqa: BLE001 - reported as the learner would want it
+            report_failure(report, what, exc, timeout, _explain_failure)
+            return report
+        results = [(rank, cases, traffic) for rank, (cases, traffic) in enumerate(results)]
+        problem = _first_problem(results, world, expected, op, from_scratch, inputs)
         if problem:
             report.fail(problem)
+            return report  # one clear reason at a time: fix it, then run the check again
         else:
-            sizes = ", ".join(map(str, _sizes(world)))
+            sizes = ", ".join(map(str, sorted(_sizes(world))))
             report.ok(f"{world} ranks: correct on every rank for sizes {sizes}")
     return report
 
 
 def check_all_reduce(fn, op: str = "sum", from_scratch: bool = True, world_sizes=WORLD_SIZES,
-                     timeout: float = 30.0, name: str | None = None) -> Report:  # fmt: skip
+                     timeout: float = TIMEOUT_S, name: str | None = None) -> Report:  # fmt: skip
     """Check an in-place AllReduce ``fn(tensor)`` (or ``fn(tensor, op=op)`` for op != "sum")."""
 
     def expected(world, rank, numel, salt, op):
         return _truth(world, numel, salt, op), chunk_bounds(numel, world), "a tensor"
 
+    def inputs(world, numel, salt):
+        return [_input(r, numel, salt) for r in range(world)]
+
     name = name or getattr(fn, "__name__", "all_reduce")
-    return _check(name, fn, _run_all_reduce, expected, world_sizes, op, from_scratch, timeout)
+    return _check(name, fn, _run_all_reduce, expected, world_sizes, op, from_scratch, timeout,
+                  inputs)  # fmt: skip
 
 
-def check_reduce_scatter(fn, op: str = "sum", from_scratch: bool = True, world_sizes=WORLD_SIZES,
-                         timeout: float = 30.0, name: str | None = None) -> Report:  # fmt: skip
+def check_reduce_scatter(fn, op: str = "sum", from_scratch: bool = True,
+                         world_sizes=WORLD_SIZES, timeout: float = TIMEOUT_S,
+                         name: str | None = None) -> Report:  # fmt: skip
     """Check ``fn(output, input)``: output on rank r = op over ranks of chunk r of input."""
 
     def expected(world, rank, per_rank, salt, op):
@@ -153,8 +346,8 @@ def check_reduce_scatter(fn, op: str = "sum", from_scratch: bool = True, world_s
     return _check(name, fn, _run_reduce_scatter, expected, world_sizes, op, from_scratch, timeout)
 
 
-def check_all_gather(fn, from_scratch: bool = True, world_sizes=WORLD_SIZES, timeout: float = 30.0,
-                     name: str | None = None) -> Report:  # fmt: skip
+def check_all_gather(fn, from_scratch: bool = True, world_sizes=WORLD_SIZES,
+                     timeout: float = TIMEOUT_S, name: str | None = None) -> Report:  # fmt: skip
     """Check ``fn(output, input)``: output = every rank's input, concatenated in rank order."""
 
     def expected(world, rank, per_rank, salt, op):

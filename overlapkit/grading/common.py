@@ -25,17 +25,32 @@ def human_seconds(t: float) -> str:
     return f"{t * 1e9:.3g} ns"
 
 
-def run_or_report(report: Report, what: str, fn, *args, world_size: int, timeout: float, **kwargs):
-    """Run ``fn`` on ranks with traffic recording; on failure add one ✘ case and return None."""
+def run_or_report(report: Report, what: str, fn, *args, world_size: int, timeout: float,
+                  link=None, explain=None, **kwargs):  # fmt: skip
+    """Run ``fn`` on ranks with traffic recording; on failure add one ✘ case and return None.
+
+    ``explain(text) -> str`` turns a rank's error (or a crashed rank's last words)
+    into a sentence in the exercise's terms, appended to the ✘ line.
+    """
     try:
-        return run_recorded(fn, *args, world_size=world_size, timeout=timeout, **kwargs)
-    except NotImplementedError:
-        report.fail(f"{what}: not implemented yet (the function still raises NotImplementedError)")
-    except LaunchTimeoutError as exc:
-        report.fail(f"{what}: did not finish within {timeout:g} s. {exc}")
-    except LaunchError as exc:
-        report.fail(f"{what}: a rank failed: {exc}")
-    except Exception as exc:  # the learner's own exception, re-raised from its rank
-        rank = getattr(exc, "rank", "?")
-        report.fail(f"{what}: rank {rank} raised {type(exc).__name__}: {exc}")
+        return run_recorded(fn, *args, world_size=world_size, timeout=timeout, link=link,
+                            **kwargs)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one ✘ line
+        report_failure(report, what, exc, timeout, explain)
     return None
+
+
+def report_failure(report: Report, what: str, exc: BaseException, timeout: float,
+                   explain=None) -> None:  # fmt: skip
+    """One ✘ line for a launch that failed: unfinished, hung, crashed, or raised."""
+    explain = explain or (lambda text: "")
+    if isinstance(exc, NotImplementedError):
+        report.fail(f"{what}: not implemented yet (the function still raises NotImplementedError)")
+    elif isinstance(exc, LaunchTimeoutError):
+        report.fail(f"{what}: did not finish within {timeout:g} s. {exc}")
+    elif isinstance(exc, LaunchError):
+        report.fail(f"{what}: a rank failed: {exc}{explain(str(exc))}")
+    else:  # the learner's own exception, re-raised from its rank
+        rank = getattr(exc, "rank", "?")
+        text = f"{type(exc).__name__}: {exc}"
+        report.fail(f"{what}: rank {rank} raised {text}{explain(text)}")

@@ -56,6 +56,8 @@ class Traffic:
     sent: list[tuple[int, int]] = field(default_factory=list)
     received: list[tuple[int, int]] = field(default_factory=list)
     collectives: list[str] = field(default_factory=list)
+    #: torch.distributed point-to-point calls made directly, not through ok.p2p
+    direct: list[str] = field(default_factory=list)
 
     def sent_to(self, peer: int) -> list[int]:
         return [n for p, n in self.sent if p == peer]
@@ -106,6 +108,8 @@ def recording(kit_collectives_are_builtins: bool = True):
         def wrapper(*args, **kwargs):
             if not getattr(_kit_call, "active", False):
                 note(name, args, kwargs)
+                if name in P2P:
+                    traffic.direct.append(f"torch.distributed.{name}")
             return original(*args, **kwargs)
 
         return wrapper
@@ -162,8 +166,11 @@ def _recorded(fn_bytes: bytes, args, kwargs):
 hide_frames_from(__file__)
 
 
-def run_recorded(fn, *args, world_size: int, timeout: float, **kwargs):
-    """``ok.launch`` ``fn`` with traffic recording; returns [(value, Traffic)] by rank."""
+def run_recorded(fn, *args, world_size: int, timeout: float, link=None, **kwargs):
+    """``ok.launch`` ``fn`` with traffic recording; returns [(value, Traffic)] by rank.
+    ``link``: an ``ok.Link`` for the run's ok.p2p messages (checks use one that costs
+    nothing, for its headers: a send and a receive that disagree are an error there,
+    not a crash of the process)."""
     from ..launcher import dumps_keeping_filenames, launch  # noqa: PLC0415
 
     # the ranks' own prints would make check output vary from run to run
@@ -175,4 +182,5 @@ def run_recorded(fn, *args, world_size: int, timeout: float, **kwargs):
         world_size=world_size,
         timeout=timeout,
         quiet=True,
+        link=link,
     )
