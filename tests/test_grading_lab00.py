@@ -1,0 +1,127 @@
+"""Lab 00's checks name a learner's typical mistakes: ping-pong timing and the α-β fit."""
+
+from __future__ import annotations
+
+import io
+import statistics
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import overlapkit as ok
+from overlapkit.grading import lab00
+from overlapkit.grading.report import Report
+
+pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
+
+
+def _one_way_samples(nbytes, iters):
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    me, samples = dist.get_rank(), []
+    for _ in range(iters + 1):
+        start = time.perf_counter()
+        if me == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        samples.append((time.perf_counter() - start) / 2)
+    return samples[1:]
+
+
+def ping_pong(nbytes, iters):
+    return statistics.median(_one_way_samples(nbytes, iters))
+
+
+def round_trip(nbytes, iters):
+    return 2 * statistics.median(_one_way_samples(nbytes, iters))
+
+
+def total_over_iterations(nbytes, iters):
+    return sum(_one_way_samples(nbytes, iters))
+
+
+def in_milliseconds(nbytes, iters):
+    return 1e3 * statistics.median(_one_way_samples(nbytes, iters))
+
+
+def both_send_first(nbytes, iters):
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    peer = 1 - dist.get_rank()
+    dist.send(buf, peer)  # every rank sends first: nobody is receiving
+    dist.recv(buf, peer)
+    return 1e-3
+
+
+def _timing(fn):
+    report = Report("ping_pong", file=io.StringIO())
+    lab00._check_timing(report, fn, 30.0)
+    return report.cases[-1]
+
+
+def test_the_round_trip_mistake_fails_the_timing_check_every_time():
+    verdicts = [_timing(round_trip) for _ in range(20)]
+    assert [passed for passed, _ in verdicts] == [False] * 20, verdicts
+    assert all("round-trip time instead of half" in message for _, message in verdicts)
+
+
+def test_a_right_one_way_time_passes_the_timing_check_every_time():
+    verdicts = [_timing(ping_pong) for _ in range(20)]
+    assert [passed for passed, _ in verdicts] == [True] * 20, verdicts
+
+
+@pytest.mark.parametrize(
+    "fn, hint",
+    [
+        (total_over_iterations, "total over all iterations"),
+        (in_milliseconds, "return milliseconds"),
+    ],
+)
+def test_other_unit_mistakes_are_named(fn, hint):
+    report = lab00.check_ping_pong(fn)
+    failed = [message for passed, message in report.cases if not passed]
+    assert failed and hint in failed[0], report.cases
+
+
+def test_both_ranks_sending_first_is_stopped_within_seconds_and_located():
+    start = time.monotonic()
+    report = lab00.check_ping_pong(both_send_first)
+    assert time.monotonic() - start < 20
+    ((passed, message),) = report.cases
+    assert not passed and "did not finish within 10 s" in message
+    assert "dist.send(buf, peer)" in message
+
+
+def fit_swapped(sizes, times):
+    alpha, beta = ok.costmodel.fit_alpha_beta(sizes, times)
+    return beta, alpha
+
+
+def fit_sizes_against_times(sizes, times):
+    design = np.stack([np.ones(len(times)), np.asarray(times)], axis=1)
+    (a, b), *_ = np.linalg.lstsq(design, np.asarray(sizes, dtype=float), rcond=None)
+    return float(a), float(b)
+
+
+def fit_plain_least_squares(sizes, times):
+    design = np.stack([np.ones(len(sizes)), np.asarray(sizes, dtype=float)], axis=1)
+    (a, b), *_ = np.linalg.lstsq(design, np.asarray(times), rcond=None)
+    return float(a), float(b)
+
+
+@pytest.mark.parametrize(
+    "fn, hint",
+    [
+        (fit_swapped, "You returned (β, α)"),
+        (fit_sizes_against_times, "did you fit sizes against times?"),
+        (fit_plain_least_squares, "weight each point by 1/t"),
+    ],
+)
+def test_each_typical_fit_mistake_is_named(fn, hint):
+    report = lab00.check_fit_alpha_beta(fn)
+    failed = [message for passed, message in report.cases if not passed]
+    assert failed and hint in failed[0], report.cases
