@@ -243,3 +243,58 @@ def test_zero1_check_passes_a_right_step_and_locates_wrong_ones():
     assert not passed and message.startswith("after step ")
     (passed, message), _ = ok.grading.check_zero1_step(zero1_forgets_to_gather).cases
     assert not passed and "all-gather every rank's updated shard" in message
+
+
+# ---------------------------------------------------------------- lab 02: naive AllReduce
+
+
+def _naive(tensor, mistake=None):
+    """A learner-style master-worker AllReduce on ok.p2p, with an optional planted mistake."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    if me == 0:
+        bufs = [torch.empty_like(tensor) for _ in range(1, world)]
+        if mistake == "one receive buffer for all":
+            bufs = [bufs[0]] * (world - 1)
+        ok.p2p.wait_all([ok.p2p.irecv(b, src) for src, b in enumerate(bufs, start=1)])
+        if mistake == "root forgets its own value":
+            tensor.zero_()
+        for b in bufs if mistake != "one receive buffer for all" else bufs[:1]:
+            tensor += b
+        if mistake != "root never sends back":
+            ok.p2p.wait_all([ok.p2p.isend(tensor, dst) for dst in range(1, world)])
+    else:
+        if mistake == "receive before sending":
+            ok.p2p.recv(tensor, 0)
+        ok.p2p.send(tensor, 0)
+        if mistake not in ("root never sends back", "receive before sending"):
+            ok.p2p.recv(tensor, 0)
+
+
+def _naive_mistake(mistake):
+    def naive_all_reduce(tensor):
+        _naive(tensor, mistake)
+
+    return naive_all_reduce
+
+
+def test_a_right_naive_all_reduce_passes():
+    assert ok.grading.check_all_reduce(_naive_mistake(None)).all_passed
+
+
+@pytest.mark.parametrize(
+    "mistake, expected",
+    [
+        ("root never sends back", "rank 1, chunk 0 (elements 0-3) differs first at element 0: "
+                                  "expected 7, got -2. It holds x1"),
+        ("root forgets its own value", "It holds x1 + x2 (xr: rank r's input there), not "
+                                       "x0 + x1 + x2: rank(s) [0] missing"),
+        ("one receive buffer for all", "rank(s) [1] missing"),
+        ("receive before sending", "did not finish within 10 s"),
+    ],
+)  # fmt: skip
+def test_each_typical_naive_mistake_is_named_by_the_check(mistake, expected):
+    start = time.monotonic()
+    report = ok.grading.check_all_reduce(_naive_mistake(mistake), world_sizes=(3,))
+    ((passed, message),) = report.cases
+    assert not passed and expected in message, message
+    assert time.monotonic() - start < 20
