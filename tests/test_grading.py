@@ -237,12 +237,22 @@ def zero1_forgets_to_gather(flat_params, flat_grads, shard, optimizer):
     optimizer.step()
 
 
+def zero1_own_gradient_only(flat_params, flat_grads, shard, optimizer):
+    me, n = ok.rank(), shard.numel()
+    shard.grad = flat_grads[me * n : (me + 1) * n].clone()  # no reduce: this rank's batch only
+    optimizer.step()
+    ok.ring_all_gather(flat_params, shard.detach())
+
+
 def test_zero1_check_passes_a_right_step_and_locates_wrong_ones():
     assert ok.grading.check_zero1_step(zero1_right).all_passed
     (passed, message), _ = ok.grading.check_zero1_step(zero1_sums).cases
-    assert not passed and message.startswith("after step ")
+    assert not passed and message.startswith("after step 1")
+    assert "about N = 3: the gradients were summed, not averaged" in message
     (passed, message), _ = ok.grading.check_zero1_step(zero1_forgets_to_gather).cases
-    assert not passed and "all-gather every rank's updated shard" in message
+    assert not passed and "the updated shard never reached this rank" in message
+    (passed, message), _ = ok.grading.check_zero1_step(zero1_own_gradient_only).cases
+    assert not passed and "after step 1" in message and "× the right one" in message
 
 
 # ---------------------------------------------------------------- lab 02: naive AllReduce

@@ -33,6 +33,7 @@ def _run(zero1_step):
     optimizer = torch.optim.SGD([shard], lr=0.05, momentum=0.9)
     plain = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(10 + me)
+    initial = flat_params[:numel].clone()
     trace = []
     for _ in range(STEPS):
         x, y = torch.randn(4, 5, generator=gen), torch.randn(4, 3, generator=gen)
@@ -59,7 +60,27 @@ def _run(zero1_step):
             )
         )
     state = sum(t.numel() for s in optimizer.state.values() for t in s.values() if t.dim() > 0)
-    return trace, state, numel, shard_numel
+    return trace, state, numel, shard_numel, initial
+
+
+def _update_hint(before, got, want, world: int) -> str:
+    """What the learner's update is, compared with the right one, on one shard."""
+    right, theirs = want - before, got - before
+    moved = right.abs() > 1e-7
+    if not moved.any():
+        return ""
+    ratio = (theirs[moved] / right[moved]).median().item()
+    if abs(ratio - world) < 0.15 * world:
+        return (
+            f" Your update is {ratio:.2f}× the right one, about N = {world}: the gradients "
+            "were summed, not averaged (ring_reduce_scatter(..., op='avg'))."
+        )
+    if abs(ratio) < 0.05:
+        return (
+            " This part did not change at all: the updated shard never reached this rank. "
+            "All-gather every rank's shard into flat_params after optimizer.step()."
+        )
+    return f" Your update is {ratio:.2f}× the right one there."
 
 
 def check_zero1_step(zero1_step, world_size: int = 3, timeout: float = 60.0) -> Report:
@@ -75,28 +96,33 @@ def check_zero1_step(zero1_step, world_size: int = 3, timeout: float = 60.0) -> 
     if results is None:
         return report
     worst = None
-    for rank, ((trace, _, _, shard_numel), _) in enumerate(results):
+    for rank, ((trace, _, _, shard_numel, initial), _) in enumerate(results):
+        before = initial
         for step, (got, want) in enumerate(trace, start=1):
             diff = (got - want).abs()
             if diff.max() > 1e-5:
                 i = int(diff.argmax())
-                worst = (rank, step, i, i // shard_numel, want[i].item(), got[i].item())
+                owner = i // shard_numel
+                part = slice(owner * shard_numel, (owner + 1) * shard_numel)
+                hint = _update_hint(before[part], got[part], want[part], world_size)
+                worst = (rank, step, i, owner, want[i].item(), got[i].item(), hint)
                 break
+            before = want
         if worst:
             break
     if worst:
-        rank, step, i, owner, want, got = worst
+        rank, step, i, owner, want, got, hint = worst
         report.fail(
             f"after step {step}, rank {rank}'s parameter {i} (in rank {owner}'s shard) "
-            f"is {got:.6g}; unsharded SGD on the averaged gradients gives {want:.6g}. "
-            "Did you average (op='avg') and all-gather every rank's updated shard?"
+            f"is {got:.6g}; unsharded SGD on the averaged gradients gives {want:.6g}."
+            + (hint or " Did you average (op='avg') and all-gather every rank's updated shard?")
         )
     else:
         report.ok(
             f"{STEPS} steps on {world_size} ranks: every rank matches the unsharded optimizer"
         )
     states = [r[0][1] for r in results]
-    numel, shard_numel = results[0][0][2], results[0][0][3]
+    numel, shard_numel = results[0][0][2], results[0][0][3]  # (trace, state, numel, shard, ...)
     if all(s == shard_numel for s in states):
         report.ok(f"each rank holds momentum for its shard only: {shard_numel} of {numel} values")
     else:
