@@ -308,3 +308,45 @@ def test_each_typical_naive_mistake_is_named_by_the_check(mistake, expected):
     ((passed, message),) = report.cases
     assert not passed and expected in message, message
     assert time.monotonic() - start < 20
+
+
+# ---------------------------------------------------------------- lab 01: RS + AG = AR
+
+
+def rs_then_ag(tensor, mistake=None):
+    """AllReduce = ring ReduceScatter + ring AllGather (lab 01), with a planted mistake."""
+    world = dist.get_world_size()
+    flat = tensor.view(-1)
+    n = -(-flat.numel() // world)
+    padded = torch.zeros(n * world)
+    padded[: flat.numel()] = flat
+    shard = torch.empty(n)
+    ok.ring_reduce_scatter(shard, padded)
+    if mistake == "gather the input shard":
+        shard = padded[dist.get_rank() * n : (dist.get_rank() + 1) * n].clone()
+    if mistake != "no all-gather":
+        ok.ring_all_gather(padded, shard)
+    if mistake == "average instead of sum":
+        padded /= world
+    flat.copy_(padded[: flat.numel()])
+
+
+@pytest.mark.parametrize(
+    "mistake, expected",
+    [
+        (None, None),
+        ("no all-gather", "differs first"),
+        ("gather the input shard", "It holds x0 (xr: rank r's input there)"),
+        ("average instead of sum", "differs first"),
+    ],
+)
+def test_rs_plus_ag_exercise_mistakes_are_located(mistake, expected):
+    def all_reduce_via_rs_ag(tensor):
+        rs_then_ag(tensor, mistake)
+
+    report = ok.grading.check_all_reduce(all_reduce_via_rs_ag, from_scratch=False, world_sizes=(3,))
+    if expected is None:
+        assert report.all_passed, report.cases
+    else:
+        ((passed, message),) = report.cases
+        assert not passed and expected in message, message
