@@ -213,6 +213,12 @@ def test_bytes_check_tells_total_from_per_rank_and_chunk_from_tensor():
     messages = [m for _, m in ok.grading.check_bytes_moved(whole_tensor_each_step).cases]
     assert "Each step moves one chunk of S/N bytes, not the whole tensor." in messages[0]
 
+    def one_phase_only(collective, nbytes, world):
+        return (world - 1) / world * nbytes
+
+    messages = [m for ok_, m in ok.grading.check_bytes_moved(one_phase_only).cases if not ok_]
+    assert "That is one phase: an AllReduce is a ReduceScatter and then an AllGather" in messages[0]
+
 
 def zero1_right(flat_params, flat_grads, shard, optimizer):
     grad = torch.empty_like(shard)

@@ -48,5 +48,16 @@ def check_bytes_moved(bytes_moved) -> Report:
             got, nbytes * (world - 1), rel_tol=1e-9
         ):
             hint = " Each step moves one chunk of S/N bytes, not the whole tensor."
+        elif (
+            isinstance(got, (int, float))
+            and collective == "all_reduce"
+            and math.isclose(got, want / 2, rel_tol=1e-9)
+        ):
+            hint = (
+                " That is one phase: an AllReduce is a ReduceScatter and then an AllGather, "
+                "N − 1 steps each."
+            )
+        elif isinstance(got, (int, float)) and math.isclose(got, want * 8, rel_tol=1e-9):
+            hint = " That is in bits: the question is in bytes."
         report.fail(f"{label}: expected {want:,.0f}, got {got!r}.{hint}")
     return report
