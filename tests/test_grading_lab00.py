@@ -125,3 +125,50 @@ def test_each_typical_fit_mistake_is_named(fn, hint):
     report = lab00.check_fit_alpha_beta(fn)
     failed = [message for passed, message in report.cases if not passed]
     assert failed and hint in failed[0], report.cases
+
+
+def float32_buffer(nbytes, iters):
+    buf = torch.empty(nbytes)  # float32: 4 × nbytes bytes
+    me, samples = dist.get_rank(), []
+    for _ in range(iters):
+        start = time.perf_counter()
+        if me == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+        samples.append((time.perf_counter() - start) / 2)
+    return statistics.median(samples)
+
+
+def test_a_wrong_buffer_size_is_named_and_not_blamed_on_timing():
+    report = lab00.check_ping_pong(float32_buffer)
+    failed = [message for passed, message in report.cases if not passed]
+    assert "rank 0 moved messages of 32 bytes; every message should have 8 bytes" in failed[0]
+    assert not any("total over all iterations" in message for message in failed)
+
+
+def fit_returns_bandwidth(sizes, times):
+    alpha, beta = ok.costmodel.fit_alpha_beta(sizes, times)
+    return alpha, 1 / beta
+
+
+def fit_rhs_times(sizes, times):
+    t = np.asarray(times)
+    design = np.stack([1 / t, np.asarray(sizes, dtype=float) / t], axis=1)
+    (a, b), *_ = np.linalg.lstsq(design, t, rcond=None)  # right-hand side: times, not ones
+    return float(a), float(b)
+
+
+@pytest.mark.parametrize(
+    "fn, hint",
+    [
+        (fit_returns_bandwidth, "return β = 1 / bandwidth"),
+        (fit_rhs_times, "its right-hand side is 1"),
+    ],
+)
+def test_more_fit_mistakes_get_a_hint(fn, hint):
+    report = lab00.check_fit_alpha_beta(fn)
+    failed = [message for passed, message in report.cases if not passed]
+    assert failed and hint in failed[0], report.cases

@@ -73,9 +73,9 @@ def check_ping_pong(ping_pong, timeout: float = 10.0) -> Report:
             return report
         (value, t0), (_, t1) = results
         size = human_bytes(nbytes)
-        _check_messages(report, size, nbytes, iters, t0, t1)
-        if not _check_value(report, size, value):
-            return report
+        messages_right = _check_messages(report, size, nbytes, iters, t0, t1)
+        if not _check_value(report, size, value) or not messages_right:
+            return report  # the timing would only echo what is wrong above
 
     # One-way, not round trip: compare with the kit, interleaved, at a size where
     # bandwidth dominates; per-round ratios, medians, and a second attempt only when
@@ -105,14 +105,16 @@ def _check_timing(report: Report, ping_pong, timeout: float) -> None:
         if ratio >= 1.6 or ratio <= 0.6 or attempt == 1:
             break
     report.fail(
-        f"{size}: your one-way time is {ratio:.2f}× the kit's measurement "
-        f"(yours {human_seconds(statistics.median(student_times))}, "
-        f"kit {human_seconds(statistics.median(kit_times))}, median of {len(ratios)} "
-        f"back-to-back rounds).{_ratio_hint(ratio)}"
+        f"{size}: your one-way time is {ratio:.2f}× the kit's measurement (the median of "
+        f"{len(ratios)} rounds, each timing yours and the kit's back to back; medians of the "
+        f"times themselves: yours {human_seconds(statistics.median(student_times))}, kit "
+        f"{human_seconds(statistics.median(kit_times))}).{_ratio_hint(ratio)}"
     )
 
 
-def _check_messages(report, size, nbytes, iters, t0, t1):
+def _check_messages(report, size, nbytes, iters, t0, t1) -> bool:
+    """✔/✘ per rank for the messages it moved; True when all were right."""
+    failed_before = report.total - report.passed
     expected = f"at least {iters} messages of {nbytes} bytes"
     for me, peer, traffic in ((0, 1, t0), (1, 0, t1)):
         sent, got = traffic.sent_to(peer), traffic.received_from(peer)
@@ -134,13 +136,15 @@ def _check_messages(report, size, nbytes, iters, t0, t1):
                 f"{size}: rank {me} called {', '.join(sorted(set(traffic.collectives)))}; "
                 "a ping-pong needs only send and recv"
             )
+    return report.total - report.passed == failed_before
 
 
 def _check_value(report, size, value) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
+        item = " (a tensor: return t.item())" if hasattr(value, "item") else ""
         report.fail(
             f"{size}: rank 0 returned {value!r} ({type(value).__name__}); "
-            "expected a float in seconds"
+            f"expected a float in seconds{item}"
         )
         return False
     if not math.isfinite(value) or value <= 0:
@@ -195,24 +199,32 @@ def check_fit_alpha_beta(fit_alpha_beta) -> Report:
         swapped = math.isclose(got_a, want_b, rel_tol=tol) and math.isclose(
             got_b, want_a, rel_tol=tol
         )
+        bandwidth = bool(got_b) and 0.3 < abs(got_b * want_b) < 3
         if swapped:
             hints.append("You returned (β, α): return (alpha, beta), in that order.")
         elif got_a and 1e2 < abs(got_a / want_a) < 1e7:
             hints.append("Your α looks like µs or ms: return seconds.")
         if swapped:
             pass
-        elif got_b and 0.3 < abs(got_b * want_b) < 3:
+        elif bandwidth and a_ok:
+            hints.append("Your β is a bandwidth (bytes per second): return β = 1 / bandwidth.")
+        elif bandwidth:
             hints.append(
                 "Your β is a bandwidth (bytes per second): did you fit sizes against times? "
-                "The design matrix holds a column of ones and a column of *sizes*; the "
-                "times are the right-hand side, and β = seconds per byte."
+                "Each row is t = α + β·S divided by t: [1/t, S/t] with right-hand side 1, "
+                "which gives α in seconds and β in seconds per byte."
             )
         elif got_b and abs(got_b / want_b) > 1e2:
             hints.append("β is seconds per byte (1 / bandwidth in bytes/s).")
-        if not a_ok and b_ok and label.startswith("noisy"):
+        if not a_ok and b_ok and label.startswith("noisy") and not hints:
             hints.append(
                 "The largest messages dominate a plain least-squares fit: weight each "
                 "point by 1/t to minimise relative error."
+            )
+        if not hints:
+            hints.append(
+                "Each row of the design matrix is [1/t, S/t] and its right-hand side is 1 "
+                "(t = α + β·S, divided by t); the solution is (α, β)."
             )
         report.fail(
             f"{label}: got α = {human_seconds(got_a)}, β = {got_b:.3g} s/B; expected "
