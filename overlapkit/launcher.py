@@ -479,6 +479,12 @@ def _where_hung(text: str, depth: int = 6) -> str:
                 break
             if not _is_plumbing(f):
                 user.append((f, n, name))
+        # the kit's own frames (a p2p wait, say) would push the learner's line out of
+        # view: show where the rank waits inside the kit, then the learner's frames
+        kit = os.path.dirname(os.path.abspath(__file__)) + os.sep
+        outside = [fr for fr in user if not os.path.abspath(fr[0]).startswith(kit)]
+        if outside and outside[0] is not user[0]:
+            user = [user[0], *outside]
         lines = []
         for f, n, name in user[:depth]:
             src = linecache.getline(f, n).strip()

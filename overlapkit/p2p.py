@@ -50,6 +50,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import operator
 import struct
 import sys
 import threading
@@ -76,6 +77,10 @@ class Link:
 
     latency_us: float
     bandwidth_gbps: float
+    #: a send is done only once the receiver has taken the message (as gloo's and MPI's
+    #: large messages): two ranks that both send before receiving then deadlock, as they
+    #: would on a real transport. False: sends are buffered (eager), as NCCL's are.
+    rendezvous: bool = False
 
     def __post_init__(self):
         if not self.latency_us >= 0:
@@ -97,7 +102,8 @@ class Link:
         return self.alpha + self.beta * nbytes
 
     def __str__(self) -> str:
-        return f"Link({self.latency_us:g} µs, {self.bandwidth_gbps:g} GB/s)"
+        mode = ", rendezvous" if self.rendezvous else ""
+        return f"Link({self.latency_us:g} µs, {self.bandwidth_gbps:g} GB/s{mode})"
 
 
 class _LinkState:
@@ -332,10 +338,10 @@ def on_forget(hook) -> None:
 def forget_private_groups() -> None:
     """Drop the kit's process groups and what it remembers of the default group
     (before that group is destroyed)."""
-    global _world_name
+    global _world_name, _world_size
     with _private_lock:
         _private.clear()
-    _world_name = None
+    _world_name = _world_size = None
     _ends.clear()
     for hook in _forget_hooks:
         hook()
@@ -481,17 +487,26 @@ class _Send(_OnTheLink):
         super().__init__(describe)
         self._works, self._done_at = list(works), done_at
         self.placed = placed  # set when the bytes are all in shared memory
+        #: under a rendezvous link: (channel, id of the message's last segment)
+        self.taken: tuple | None = None
 
     def _through(self, timeout_at):
         if self.placed is not None:
             remaining = None if timeout_at is None else timeout_at - time.perf_counter()
             if not self.placed.wait(remaining):
                 raise TimeoutError(f"{self.what}: the receiver has not made room for it yet")
+        if self.taken is not None:
+            _poll_until(self._taken, timeout_at, self)
         _wait_works(self._works, timeout_at, self)
+
+    def _taken(self) -> bool:
+        out, last = self.taken
+        return last is not None and out.taken_up_to() >= last
 
     def _through_yet(self) -> bool:
         placed = self.placed is None or self.placed.is_set()
-        return placed and all(w.is_completed() for w in self._works)
+        taken = self.taken is None or self._taken()
+        return placed and taken and all(w.is_completed() for w in self._works)
 
 
 def _describe(kind: str, tensor: torch.Tensor, peer_word: str, peer: int):
@@ -546,6 +561,8 @@ class _Pusher:
                     sent += n
                     if sent == total:
                         self.queue.popleft()
+                        if handle.taken is not None:
+                            handle.taken = (out, placed[1])
                         handle.placed.set()
                     else:
                         self.queue[0] = ((data, address, total), sent, header, handle)
@@ -589,6 +606,8 @@ def _send_shared(tensor: torch.Tensor, dst: int, group, state: _LinkState) -> _S
         handle = _Send(_describe("send", tensor, "to", dst), last_byte)
         pusher = _pushers.get(id(out))
         placed = None if pusher is not None and pusher.queue else out.put(address, nbytes)
+        if state.link.rendezvous:
+            handle.taken = (out, placed[1] if placed is not None else None)
         if placed is not None:
             out.post(header(placed, 0, nbytes))
         else:  # no room now: queued behind what is pending, pushed as space frees
@@ -775,7 +794,9 @@ class _Receive(_OnTheLink):
         self._op = current_op()
         self.landed = threading.Event()
         self._error: BaseException | None = None
-        self.eager = tensor.numel() * tensor.element_size() >= EAGER_BYTES
+        # under a rendezvous link a sender waits for its receiver to take the message, so
+        # every posted receive must land on its own, as on a real transport
+        self.eager = state.link.rendezvous or tensor.numel() * tensor.element_size() >= EAGER_BYTES
         key = (self._op is None, group, src, _shared_memory(tensor))
         inbox = _ends.get(key)
         if inbox is None:
@@ -878,13 +899,36 @@ def through_shared_memory(tensor: torch.Tensor) -> bool:
 # --------------------------------------------------------------------------- the four calls
 
 
+_world_size: int | None = None
+
+
+def _check_peer(call: str, peer, word: str) -> None:
+    """A peer outside the world would hang in the transport: say so at once."""
+    global _world_size
+    if _world_size is None:  # looked up once: it sits on every message's path
+        _world_size = dist.get_world_size()
+    world = _world_size
+    try:
+        ok = not isinstance(peer, bool) and 0 <= operator.index(peer) < world
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"ok.p2p.{call}: rank {dist.get_rank()} {word} rank {peer!r}, but the ranks are "
+            f"0..{world - 1} (world size {world}). Neighbours wrap around: take them mod N, "
+            "e.g. (me + 1) % world and (me - 1) % world."
+        )
+
+
 def isend(tensor: torch.Tensor, dst: int, group=None):
     """Start sending ``tensor`` to global rank ``dst``; returns a handle with ``wait()``."""
+    _check_peer("isend", dst, "sends to")
     return _isend(tensor, dst, group, _link)
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None):
     """Start receiving into ``tensor`` from global rank ``src``; returns a handle."""
+    _check_peer("irecv", src, "receives from")
     return _irecv(tensor, src, group, _link)
 
 

@@ -212,6 +212,10 @@ class Outgoing:
         self.reserved = target
         return True
 
+    def taken_up_to(self) -> int:
+        """The id of the last segment the receiver has copied out."""
+        return self._file.freed()
+
     def release_if_idle(self, now: float) -> None:
         """Give back the pages beyond the first step once drained and idle for a moment."""
         if self.reserved <= _RESERVE_STEP or now - self._last_put < IDLE_RELEASE_S:

@@ -118,8 +118,8 @@ def _mistake(mistake):
         # 3 ranks: the evenly divisible case, reported first, says more than a size error
         ("receive chunk r-k-1", 3, "12 elements: rank 0, chunk 0 (elements 0-3) differs first "
                                    "at element 0: expected 7, got 6. It holds x0"),
-        ("receive without adding", 3, "one rank's values only. A received chunk replaced the "
-                                      "local one instead of being added to it"),
+        ("receive without adding", 3, "one rank's values only. Either a received chunk "
+                                      "replaced the local one instead of being added to it"),
         ("skip empty on the sender only", 3, "on a tensor of 2 elements: rank 1 posted a receive "
                                              "of 0 bytes"),
         ("skip empty on the sender only", 3, "an empty chunk must be skipped by both ends or "
@@ -301,7 +301,8 @@ def test_a_right_naive_all_reduce_passes():
     "mistake, expected",
     [
         ("root never sends back", "rank 1, chunk 0 (elements 0-3) differs first at element 0: "
-                                  "expected 7, got -2. It holds x1"),
+                                  "expected 7, got -2. The whole tensor is exactly this "
+                                  "rank's input"),
         ("root forgets its own value", "It holds x1 + x2 (xr: rank r's input there), not "
                                        "x0 + x1 + x2: rank(s) [0] missing"),
         ("one receive buffer for all", "rank(s) [1] missing"),
@@ -356,3 +357,39 @@ def test_rs_plus_ag_exercise_mistakes_are_located(mistake, expected):
     else:
         ((passed, message),) = report.cases
         assert not passed and expected in message, message
+
+
+def blocking_send_then_recv(tensor):
+    """Section 1's deadlock inside the ring: each rank sends (blocking) before receiving."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    bounds = ok.collectives.chunk_bounds(tensor.numel(), world)
+    flat, right, left = tensor.view(-1), (me + 1) % world, (me - 1) % world
+    for k in range(world - 1):
+        s, r = bounds[(me - k - 1) % world], bounds[(me - k - 2) % world]
+        tmp = torch.empty(r[1] - r[0])
+        ok.p2p.send(flat[s[0] : s[1]], right)
+        ok.p2p.recv(tmp, left)
+        flat[r[0] : r[1]] += tmp
+
+
+def neighbour_without_mod(tensor):
+    me = dist.get_rank()
+    ok.p2p.send(tensor, me + 1)  # rank N-1 sends to rank N, which does not exist
+
+
+def test_blocking_sends_deadlock_in_the_check_as_on_a_real_transport_and_are_named():
+    start = time.monotonic()
+    report = ok.grading.check_all_reduce(blocking_send_then_recv, world_sizes=(2,))
+    ((passed, message),) = report.cases
+    assert not passed and "did not finish within 10 s" in message
+    assert "ok.p2p.send(flat[s[0] : s[1]], right)" in message  # the learner's line, not the kit's
+    assert "Every rank is blocked in a send that waits for its receiver" in message
+    assert time.monotonic() - start < 15
+
+
+def test_a_neighbour_outside_the_world_is_an_error_at_once():
+    start = time.monotonic()
+    report = ok.grading.check_all_reduce(neighbour_without_mod, world_sizes=(2,))
+    ((passed, message),) = report.cases
+    assert not passed and "rank 1 sends to rank 2, but the ranks are 0..1" in message
+    assert "(me + 1) % world" in message and time.monotonic() - start < 8

@@ -31,9 +31,10 @@ from .report import Report
 from .traffic import Traffic, run_recorded
 
 WORLD_SIZES = (2, 3, 4)
-#: the learner's ok.p2p messages go over this link in a check: it costs nothing, and
-#: its headers turn a send/receive size mismatch into an error instead of an abort
-CHECK_LINK = Link(latency_us=0, bandwidth_gbps=1000)
+#: the learner's ok.p2p messages go over this link in a check: it costs nothing, its
+#: headers turn a send/receive size mismatch into an error instead of an abort, and a
+#: blocking send waits for its receiver (so send-before-receive deadlocks, as on gloo)
+CHECK_LINK = Link(latency_us=0, bandwidth_gbps=1000, rendezvous=True)
 TIMEOUT_S = 10.0
 
 
@@ -171,11 +172,18 @@ def _explain_composition(m: list[int], rank: int) -> str:
     everyone = " + ".join(f"x{r}" for r in range(len(m))) if len(m) <= 3 else "x0 + ... + x3"
     said = f"It holds {terms} (xr: rank r's input there), not {everyone}"
     if m == [int(r == rank) for r in range(len(m))]:
-        return said + ": this rank's own input, untouched: nothing was received into it."
+        return said + (
+            ": this rank's own input, untouched. Nothing was received into this chunk, or "
+            "what was received landed in another one: check the index of the chunk you "
+            "receive (and add) in each step, (r-k-2) mod N in reduce-scatter, (r-k-1) mod N "
+            "in all-gather."
+        )
     if sum(1 for k in m if k) == 1:
         return said + (
-            ": one rank's values only. A received chunk replaced the local one instead of "
-            "being added to it (reduce-scatter must add: acc[chunk] += received)."
+            ": one rank's values only. Either a received chunk replaced the local one "
+            "instead of being added to it (reduce-scatter must add: acc[chunk] += "
+            "received), or all-gather wrote a chunk into the wrong place (in step k it "
+            "sends chunk (r-k) mod N and receives chunk (r-k-1) mod N)."
         )
     notes = []
     if negative:
@@ -264,6 +272,16 @@ def _first_problem(results, world, expected, op, from_scratch, inputs=None) -> s
     )
     if returned is not None and torch.allclose(returned.reshape(-1).float(), want):
         return message + " You returned the right values: the operation must be in place."
+    if op == "sum" and torch.allclose(got * world, want):
+        return message + f" That is the sum divided by {world}: you averaged; return the sum."
+    if inputs is not None and torch.equal(got, inputs(world, numel, salt)[rank]) and numel > 1:
+        return message + (
+            " The whole tensor is exactly this rank's input: nothing was ever written into "
+            "`tensor` on this rank. Either the result never reached it (was it sent back, "
+            "and received into `tensor`?), or the function worked on a copy: work on a "
+            "view, flat = tensor.view(-1) (a .clone(), or a reshape that copies, leaves "
+            "`tensor` as it was)."
+        )
     if inputs is not None:
         parts = [x[lo:hi] for x in inputs(world, numel, salt)]
         if op == "sum":

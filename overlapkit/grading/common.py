@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 from ..launcher import LaunchError, LaunchTimeoutError
 from .report import Report
@@ -47,10 +48,23 @@ def report_failure(report: Report, what: str, exc: BaseException, timeout: float
     if isinstance(exc, NotImplementedError):
         report.fail(f"{what}: not implemented yet (the function still raises NotImplementedError)")
     elif isinstance(exc, LaunchTimeoutError):
-        report.fail(f"{what}: did not finish within {timeout:g} s. {exc}")
+        report.fail(f"{what}: did not finish within {timeout:g} s. {exc}{_all_in_send(str(exc))}")
     elif isinstance(exc, LaunchError):
         report.fail(f"{what}: a rank failed: {exc}{explain(str(exc))}")
     else:  # the learner's own exception, re-raised from its rank
         rank = getattr(exc, "rank", "?")
         text = f"{type(exc).__name__}: {exc}"
         report.fail(f"{what}: rank {rank} raised {text}{explain(text)}")
+
+
+def _all_in_send(text: str) -> str:
+    """A hint when every hung rank waits in a blocking send (nobody is receiving)."""
+    blocks = re.split(r"^rank \d+ was here.*$", text, flags=re.M)[1:]
+    lines = [re.findall(r"^ {4}(\S.*)$", block, flags=re.M) for block in blocks]
+    learner = [next((ln for ln in block if "send(" in ln or "recv(" in ln), "") for block in lines]
+    if learner and all("send(" in ln and "recv(" not in ln for ln in learner):
+        return (
+            " Every rank is blocked in a send that waits for its receiver, and no rank is "
+            "receiving: post the send and the receive first (isend + irecv), then wait."
+        )
+    return ""
