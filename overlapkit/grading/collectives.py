@@ -193,9 +193,10 @@ def _explain_composition(m: list[int], rank: int) -> str:
     if doubled:
         notes.append(f"rank(s) {doubled} counted twice")
     return (
-        said + f": {', '.join(notes)}. In each reduce-scatter step a rank adds the chunk it "
-        "receives into the chunk of the same index: check the indices (mod N) of the chunk "
-        "sent, (r-k-1) mod N, and received, (r-k-2) mod N."
+        said + f": {', '.join(notes)}. Every rank's values must be added exactly once. In a "
+        "ring, check the chunk indices (mod N) sent, (r-k-1), and received and added, "
+        "(r-k-2), in each reduce-scatter step; in master-worker, that the root adds its "
+        "own values and every buffer it received."
     )
 
 
