@@ -394,3 +394,18 @@ def test_a_neighbour_outside_the_world_is_an_error_at_once():
     ((passed, message),) = report.cases
     assert not passed and "rank 1 sends to rank 2, but the ranks are 0..1" in message
     assert "(me + 1) % world" in message and time.monotonic() - start < 8
+
+
+def wait_on_the_receive_before_sending(tensor):
+    me, world = dist.get_rank(), dist.get_world_size()
+    right, left = (me + 1) % world, (me - 1) % world
+    into = torch.empty_like(tensor)
+    ok.p2p.irecv(into, left).wait()  # nobody has sent yet: every rank waits here
+    ok.p2p.send(tensor, right)
+
+
+def test_every_rank_waiting_in_a_receive_is_named_with_its_line():
+    report = ok.grading.check_all_reduce(wait_on_the_receive_before_sending, world_sizes=(2,))
+    ((passed, message),) = report.cases
+    assert "ok.p2p.irecv(into, left).wait()" in message
+    assert "\nEvery rank waits in a receive, and no rank has posted the send" in message

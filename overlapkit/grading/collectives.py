@@ -274,7 +274,9 @@ def _first_problem(results, world, expected, op, from_scratch, inputs=None) -> s
     if returned is not None and torch.allclose(returned.reshape(-1).float(), want):
         return message + " You returned the right values: the operation must be in place."
     if op == "sum" and torch.allclose(got * world, want):
-        return message + f" That is the sum divided by {world}: you averaged; return the sum."
+        return message + (
+            f" That is the sum divided by {world}: you averaged; leave the sum in `tensor`."
+        )
     if inputs is not None and torch.equal(got, inputs(world, numel, salt)[rank]) and numel > 1:
         return message + (
             " The whole tensor is exactly this rank's input: nothing was ever written into "

@@ -48,7 +48,7 @@ def report_failure(report: Report, what: str, exc: BaseException, timeout: float
     if isinstance(exc, NotImplementedError):
         report.fail(f"{what}: not implemented yet (the function still raises NotImplementedError)")
     elif isinstance(exc, LaunchTimeoutError):
-        report.fail(f"{what}: did not finish within {timeout:g} s. {exc}{_all_in_send(str(exc))}")
+        report.fail(f"{what}: did not finish within {timeout:g} s. {exc}{_all_blocked(str(exc))}")
     elif isinstance(exc, LaunchError):
         report.fail(f"{what}: a rank failed: {exc}{explain(str(exc))}")
     else:  # the learner's own exception, re-raised from its rank
@@ -57,14 +57,20 @@ def report_failure(report: Report, what: str, exc: BaseException, timeout: float
         report.fail(f"{what}: rank {rank} raised {text}{explain(text)}")
 
 
-def _all_in_send(text: str) -> str:
-    """A hint when every hung rank waits in a blocking send (nobody is receiving)."""
+def _all_blocked(text: str) -> str:
+    """A hint (on its own line) when every hung rank waits in a send, or every one in a
+    receive: nobody posted the other half."""
     blocks = re.split(r"^rank \d+ was here.*$", text, flags=re.M)[1:]
     lines = [re.findall(r"^ {4}(\S.*)$", block, flags=re.M) for block in blocks]
     learner = [next((ln for ln in block if "send(" in ln or "recv(" in ln), "") for block in lines]
     if learner and all("send(" in ln and "recv(" not in ln for ln in learner):
         return (
-            " Every rank is blocked in a send that waits for its receiver, and no rank is "
+            "\nEvery rank is blocked in a send that waits for its receiver, and no rank is "
             "receiving: post the send and the receive first (isend + irecv), then wait."
+        )
+    if learner and all("recv(" in ln and "send(" not in ln for ln in learner):
+        return (
+            "\nEvery rank waits in a receive, and no rank has posted the send it waits for: "
+            "post the send and the receive first (isend + irecv), then wait."
         )
     return ""
