@@ -167,6 +167,9 @@ def main(spec: RankSpec, rank: int, conn) -> None:
             # the caller enforces the user's timeout; this only bounds stray waits
             timeout=timedelta(seconds=max(60.0, spec.timeout_s + 30.0)),
         )
+        # every rank has finished connecting before any may return and tear its side
+        # down (a rank still in gloo's connectFullMesh would fail: "closed by peer")
+        dist.barrier()
         p2p.use_shared_memory(spec.shm_dir)
         p2p.set_link(spec.link)
         value = fn(*args, **kwargs)
