@@ -129,9 +129,3 @@ def take_unwaited() -> list[str]:
     for handle in left:
         handle.waited = True
     return [f"{h.what} (started at {h.site})" for h in left]
-
-
-def forget_all() -> None:
-    """Drop every tracked handle (a new launch in a reused process)."""
-    with _lock:
-        _unwaited.clear()
