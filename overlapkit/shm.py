@@ -23,9 +23,10 @@ by ``ok.launch`` share one machine, so each direction between two ranks gets
   small ``/dev/shm`` (64 MiB in many containers) is shared by whoever is
   sending now;
 * nothing here ever blocks a sender: a message that finds no room is refused
-  (the caller sends it through the process group instead), and a header that
-  finds the pipe full waits in a backlog that a helper thread writes out, in
-  order, without holding the channel's lock.
+  (the caller queues it, and :mod:`overlapkit.p2p` pushes it in segment by
+  segment as the receiver frees space), and a header that finds the pipe full
+  waits in a backlog that a helper thread writes out, in order, without
+  holding the channel's lock.
 
 The receiver unlinks both files once it has read a first header (both ends
 have them open by then); the launcher removes the directory in any case.
