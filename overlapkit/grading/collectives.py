@@ -333,9 +333,8 @@ def _check(name, fn, runner, expected, world_sizes, op, from_scratch, timeout,
         if problem:
             report.fail(problem)
             return report  # one clear reason at a time: fix it, then run the check again
-        else:
-            sizes = ", ".join(map(str, sorted(_sizes(world))))
-            report.ok(f"{world} ranks: correct on every rank for sizes {sizes}")
+        sizes = ", ".join(map(str, sorted(_sizes(world))))
+        report.ok(f"{world} ranks: correct on every rank for sizes {sizes}")
     return report
 
 
