@@ -12,6 +12,7 @@ from .collectives import (
     ring_all_reduce,
     ring_reduce_scatter,
 )
+from .ddp import BucketedDDP, NaiveDDP, OverlapDDP, ddp_comm_hook, profile_backward
 from .launcher import (
     LaunchError,
     LaunchTimeoutError,
@@ -28,6 +29,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ShardedOptimizer",
+    "NaiveDDP",
+    "OverlapDDP",
+    "BucketedDDP",
+    "ddp_comm_hook",
+    "profile_backward",
     "Link",
     "p2p",
     "naive_all_reduce",

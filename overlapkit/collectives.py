@@ -188,6 +188,24 @@ class Handle(handles.Tracked):
     def is_completed(self) -> bool:
         return self._future.done()
 
+    def get_future(self) -> torch.futures.Future:
+        """A ``torch.futures.Future`` completed (on the communication worker) when the
+        operation ends, as ``torch.distributed``'s ``Work.get_future()``: what a DDP
+        comm hook returns, and how a timeline learns the true end of an op. Waiting on
+        it counts as waiting on the handle."""
+        future: torch.futures.Future = torch.futures.Future()
+
+        def settle(done: concurrent.futures.Future) -> None:
+            self._mark_waited()  # whoever holds the torch future waits through it
+            exc = done.exception()
+            if exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
+        self._future.add_done_callback(settle)
+        return future
+
 
 class _Executor:
     """Runs the kit operations of one group on this rank one at a time, in issue order.

@@ -1,0 +1,486 @@
+"""Data parallelism that hides the gradient AllReduce under backward.
+
+Every rank holds the whole model, trains on its own slice of the batch, and
+averages the gradients with an AllReduce before the optimizer step. Three ways
+to schedule that AllReduce, from slowest to fastest::
+
+    NaiveDDP       backward |████████████████|
+                   comm                      |▒▒▒▒▒▒▒▒▒▒▒▒▒▒▒▒|        all of it exposed
+
+    OverlapDDP     backward |████████████████|
+                   comm       |▒|  |▒|  |▒|  |▒|▒|                    one AllReduce per
+                                                                      parameter, each paying α
+
+    BucketedDDP    backward |████████████████|
+                   comm          |▒▒▒▒▒|  |▒▒▒▒▒|▒▒|                  a few big messages;
+                                                  ^^ the last bucket  only the tail is exposed
+                                                     cannot hide
+
+Gradients become ready in *reverse* parameter order (backward runs from the
+loss towards the input), so buckets are filled in that order. A parameter's
+``post_accumulate_grad`` hook fires once its gradient is complete for this
+backward; the wrapper launches a bucket the moment all its gradients are in —
+and only after every earlier bucket was launched, so that every rank issues
+the same AllReduces in the same order (matching is by issue order, as in NCCL).
+
+Contract (shared with PyTorch's ``DistributedDataParallel``): rank 0's
+parameters and buffers are broadcast at construction; ``.module`` is the
+wrapped model; ``parameters()`` are the model's; gradients are **averaged**;
+frozen parameters are left alone; a tied parameter is reduced once; a
+parameter that got no gradient on a rank this step contributes zeros there
+(as ``find_unused_parameters``), and keeps ``grad=None`` if no rank gave it
+one. Call ``finish_gradient_synchronization()`` after ``backward()`` and
+before ``optimizer.step()``; inside ``no_sync()`` gradients only accumulate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from .collectives import buckets_by_size, ring_all_reduce
+
+__all__ = [
+    "NaiveDDP",
+    "OverlapDDP",
+    "BucketedDDP",
+    "ddp_comm_hook",
+    "profile_backward",
+    "BackwardProfile",
+]
+
+
+# --------------------------------------------------------------------------- the reduction
+
+
+def _resolve_all_reduce(all_reduce, group):
+    """``flat -> handle``: the built-in on a process group of the wrapper's own (so a
+    learner's ``dist.all_reduce`` on the default group never pairs with it), the kit's
+    ring (``"ring"`` or ``ok.ring_all_reduce``: async, so an emulated link applies),
+    or any ``fn(tensor, async_op=True)`` that sums in place."""
+    if all_reduce is None or all_reduce == "builtin":
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        own = dist.new_group(ranks=ranks)
+        return lambda flat: dist.all_reduce(flat, group=own, async_op=True), own
+    if all_reduce == "ring" or all_reduce is ring_all_reduce:
+        return lambda flat: ring_all_reduce(flat, group=group, async_op=True), group
+    if callable(all_reduce):
+        return lambda flat: all_reduce(flat, async_op=True), group
+    raise ValueError(
+        f"all_reduce must be None (the built-in), 'ring', or a function "
+        f"fn(tensor, async_op=True) that sums in place; got {all_reduce!r}"
+    )
+
+
+class _Done:
+    """What a synchronous ``all_reduce`` returns (``None``) stands for: already done."""
+
+    def wait(self, *args, **kwargs):
+        return True
+
+
+# --------------------------------------------------------------------------- the wrappers
+
+
+class _DataParallel(torch.nn.Module):
+    """Buckets of gradients, launched in order as they fill (``overlap``) or after backward."""
+
+    overlap = True
+
+    def __init__(self, module: torch.nn.Module, bucket_mb, all_reduce=None, group=None,
+                 timeline=None):  # fmt: skip
+        super().__init__()
+        if not dist.is_initialized():
+            raise RuntimeError(
+                f"{type(self).__name__} needs torch.distributed initialised: build it "
+                "inside a function run by ok.launch (or under torchrun)"
+            )
+        if bucket_mb is not None and not bucket_mb > 0:
+            raise ValueError(
+                f"bucket_mb must be positive (or None for one bucket), got {bucket_mb!r}"
+            )
+        self.module = module
+        self.timeline = timeline
+        self.group = group
+        self.world = dist.get_world_size(group)
+        # parameters() yields a tied parameter once: it is reduced once
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        if not self._params:
+            raise ValueError(
+                f"{type(module).__name__} has no trainable parameters (all frozen, or none): "
+                "there is no gradient to synchronise"
+            )
+        names = {id(p): n for n, p in module.named_parameters()}
+        self._names = [names[id(p)] for p in reversed(self._params)]
+        # gradients become ready from the last layer to the first
+        self._order = list(reversed(self._params))
+        self._index = {id(p): i for i, p in enumerate(self._order)}
+        self._reduce, self._comm_group = _resolve_all_reduce(all_reduce, group)
+        self._check_same_model()
+        self._broadcast_from_rank0()
+        self.buckets = self._make_buckets(bucket_mb)
+        self._bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+        previous = getattr(module, "_overlapkit_ddp", None)
+        if previous is not None and previous() is not None:
+            previous()._detach()  # the newest wrapper of a module owns its gradients
+        object.__setattr__(module, "_overlapkit_ddp", weakref.ref(self))
+        self._no_sync = 0
+        self.steps = 0
+        self._reset("idle")
+
+    # ------------------------------------------------------------ construction
+    def _make_buckets(self, bucket_mb) -> list[list[int]]:
+        """Indices into the ready order (reverse parameter order), grouped by size."""
+        if bucket_mb is None:
+            bucket_mb = float("inf")
+        return buckets_by_size(self._order, bucket_mb)
+
+    def _check_same_model(self) -> None:
+        """Every rank must wrap the same architecture: compare names, shapes and dtypes
+        before anything is exchanged (a mismatch would be a hang or garbage later)."""
+        mine = [
+            (n, tuple(p.shape), str(p.dtype))
+            for n, p in self.module.named_parameters()
+            if p.requires_grad
+        ]
+        everyone = [None] * self.world
+        dist.all_gather_object(everyone, mine, group=self._comm_group)
+        reference = everyone[0]
+        for r, theirs in enumerate(everyone[1:], start=1):
+            if theirs == reference:
+                continue
+            for k in range(max(len(theirs), len(reference))):
+                a = reference[k] if k < len(reference) else None
+                b = theirs[k] if k < len(theirs) else None
+                if a != b:
+                    raise ValueError(
+                        f"{type(self).__name__}: rank {r}'s model differs from rank 0's at "
+                        f"trainable parameter #{k}: rank 0 has {_describe(a)}, rank {r} has "
+                        f"{_describe(b)}. Every rank must build the same model."
+                    )
+
+    @torch.no_grad()
+    def _broadcast_from_rank0(self) -> None:
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        for t in [*self.module.parameters(), *self.module.buffers()]:
+            dist.broadcast(t.data, src=src, group=self._comm_group)
+
+    def _detach(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # ------------------------------------------------------------ per step
+    def _reset(self, state: str) -> None:
+        self._state = state
+        self._pending = [len(idx) for idx in self.buckets]
+        self._got: set[int] = set()
+        self._next = 0
+        self._inflight: list = []
+        self._backward_start = self._backward_end = None
+
+    def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            if self._state == "backward" and not self._no_sync:
+                raise RuntimeError(
+                    f"{type(self).__name__}: a new forward started while the previous "
+                    "backward's gradients were never synchronised: call "
+                    "finish_gradient_synchronization() before optimizer.step(), every step "
+                    "(or accumulate inside no_sync())"
+                )
+            if self._state != "backward":
+                self._state = "forward"
+        start = time.perf_counter()
+        out = self.module(*args, **kwargs)
+        if self.timeline is not None:
+            self.timeline.add("forward", start, time.perf_counter(), "compute")
+        if torch.is_grad_enabled() and not self._no_sync:
+            self._hook_outputs(out)
+        return out
+
+    def _hook_outputs(self, out) -> None:
+        """The first gradient reaching an output marks the start of this module's backward."""
+        for t in _tensors(out):
+            if t.requires_grad:
+                t.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad):
+        if self._backward_start is None:
+            self._backward_start = time.perf_counter()
+        if self._state != "synced":
+            self._state = "backward"
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if self._no_sync:
+            return  # accumulate only; the next synchronised backward reduces the sum
+        now = time.perf_counter()
+        if self._backward_start is None:
+            self._backward_start = now
+        self._backward_end = now
+        self._state = "backward"
+        i = self._index[id(p)]
+        if i in self._got:
+            raise RuntimeError(
+                f"{type(self).__name__}: the gradient of {self._names[i]!r} became ready twice "
+                "in one step: call finish_gradient_synchronization() after each backward, or "
+                "accumulate gradients inside no_sync()"
+            )
+        self._got.add(i)
+        self._pending[self._bucket_of[i]] -= 1
+        if self.overlap:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch full buckets, in bucket order: a full bucket waits for earlier ones."""
+        while self._next < len(self.buckets) and self._pending[self._next] == 0:
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, b: int):
+        idx = self.buckets[b]
+        grads = []
+        for i in idx:
+            p = self._order[i]
+            # a parameter unused on this rank contributes zeros (others may have a gradient)
+            grads.append(torch.zeros_like(p).reshape(-1) if p.grad is None else p.grad.reshape(-1))
+        flat = torch.cat(grads) if len(grads) > 1 else grads[0].clone()
+        handle = self._reduce(flat) or _Done()
+        if self.timeline is not None:
+            handle = self.timeline.track(f"bucket {b}", handle, "comm")
+        self._inflight.append((b, flat, handle))
+        return handle
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every bucket's AllReduce and write the averaged gradients back.
+
+        Launches the buckets not launched yet (in order; their unused parameters as
+        zeros). Idempotent: a second call after the same backward does nothing."""
+        if self._no_sync:
+            raise RuntimeError(
+                "finish_gradient_synchronization() inside no_sync(): gradients are only "
+                "accumulated there; call it after the backward outside no_sync()"
+            )
+        if self._state == "synced":
+            return
+        if self._state in ("idle", "forward"):
+            raise RuntimeError(
+                f"{type(self).__name__}.finish_gradient_synchronization() before any backward "
+                "this step: call loss.backward() first (no gradient has reached the model "
+                "since the last synchronisation)"
+            )
+        backward_end = self._backward_end or time.perf_counter()
+        if not self.overlap:
+            for b in range(len(self.buckets)):  # naive: one after the other, after backward
+                self._launch(b)
+                self._finish(*self._inflight.pop())
+        else:
+            for b in range(self._next, len(self.buckets)):
+                self._launch(b)
+            for b, flat, handle in self._inflight:
+                self._finish(b, flat, handle)
+        if self.timeline is not None and self._backward_start is not None:
+            self.timeline.add("backward", self._backward_start, backward_end, "compute")
+        self.steps += 1
+        self._reset("synced")
+
+    @torch.no_grad()
+    def _finish(self, b: int, flat: torch.Tensor, handle) -> None:
+        handle.wait()
+        flat.div_(self.world)
+        offset = 0
+        for i in self.buckets[b]:
+            p = self._order[i]
+            part = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if p.grad is not None:
+                p.grad.copy_(part)
+            elif i in self._got or part.any():
+                p.grad = part.clone()
+            # else: no rank had a gradient for it: it stays None, as in one process
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside only accumulate gradients locally; the first backward
+        after the block synchronises the accumulated sum (gradient accumulation)."""
+        self._no_sync += 1
+        try:
+            yield
+        finally:
+            self._no_sync -= 1
+
+    # ------------------------------------------------------------ reporting
+    def bucket_table(self) -> list[dict]:
+        """One row per bucket, in launch order: its parameters and bytes."""
+        rows = []
+        for b, idx in enumerate(self.buckets):
+            nbytes = sum(self._order[i].numel() * self._order[i].element_size() for i in idx)
+            rows.append({"bucket": b, "params": [self._names[i] for i in idx], "bytes": nbytes})
+        return rows
+
+    def extra_repr(self) -> str:
+        sizes = ", ".join(f"{r['bytes'] / 2**20:.3g}" for r in self.bucket_table()[:8])
+        more = " ..." if len(self.buckets) > 8 else ""
+        return f"buckets (MiB, launch order): [{sizes}{more}]"
+
+
+def _describe(entry) -> str:
+    if entry is None:
+        return "no such parameter"
+    name, shape, dtype = entry
+    return f"{name!r} of shape {list(shape)} ({dtype.replace('torch.', '')})"
+
+
+def _tensors(out):
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            yield from _tensors(o)
+    elif isinstance(out, dict):
+        for o in out.values():
+            yield from _tensors(o)
+
+
+class NaiveDDP(_DataParallel):
+    """All gradients all-reduced after backward, one parameter after the other: nothing
+    overlaps. ``finish_gradient_synchronization()`` does all the communication.
+
+    ::
+
+        backward |████████████|
+        comm                  |▒▒|▒▒▒▒|▒|▒▒▒|      step = backward + Σ AllReduce(g_i)
+    """
+
+    overlap = False
+
+    def __init__(self, module, all_reduce=None, group=None, timeline=None):
+        super().__init__(module, bucket_mb=1e-9, all_reduce=all_reduce, group=group,
+                         timeline=timeline)  # fmt: skip
+
+
+class OverlapDDP(_DataParallel):
+    """One async AllReduce per parameter, launched by its post-accumulate-grad hook the
+    moment its gradient is complete; ``finish_gradient_synchronization()`` waits.
+
+    ::
+
+        backward |██████████████|
+        comm       |▒| |▒▒| |▒| |▒▒|▒|     hidden, but every message pays the latency α
+    """
+
+    def __init__(self, module, all_reduce=None, group=None, timeline=None):
+        super().__init__(module, bucket_mb=1e-9, all_reduce=all_reduce, group=group,
+                         timeline=timeline)  # fmt: skip
+
+
+class BucketedDDP(_DataParallel):
+    """Gradients fused into buckets of about ``bucket_mb`` MiB, filled in reverse
+    parameter order; each bucket's async AllReduce starts the moment it is full.
+    ``bucket_mb=None``: one bucket; a parameter bigger than a bucket gets its own.
+
+    ::
+
+        grads ready  g5 g4 g3 g2 g1 g0         (reverse parameter order)
+        buckets      [g5 g4][g3 g2][g1 g0]     bucket 0 launches as soon as g4 is in
+    """
+
+    def __init__(self, module, bucket_mb: float | None = 25, all_reduce=None, group=None,
+                 timeline=None):  # fmt: skip
+        super().__init__(module, bucket_mb=bucket_mb, all_reduce=all_reduce, group=group,
+                         timeline=timeline)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- PyTorch DDP
+
+
+def ddp_comm_hook(all_reduce=None, timeline=None):
+    """A comm hook for ``DistributedDataParallel.register_comm_hook(state, hook)`` that
+    averages each of PyTorch's gradient buckets with a kit collective (default: the
+    kit's ring, async, so PyTorch's own reducer runs over an emulated link too).
+
+    ``state`` is the process group (or ``None`` for the default one). ``all_reduce``
+    is called as ``all_reduce(tensor, group=state, async_op=True)`` and must sum in
+    place and return a handle with ``get_future()``. ``timeline`` records each
+    bucket's AllReduce on the comm lane.
+    """
+    all_reduce = all_reduce or ring_all_reduce
+
+    def kit_all_reduce_hook(state, bucket):
+        buf = bucket.buffer()
+        world = dist.get_world_size(state)
+        handle = all_reduce(buf, group=state, async_op=True)
+        if timeline is not None:
+            timeline.track(f"torch bucket {bucket.index()}", handle, "comm")
+        return handle.get_future().then(lambda _: buf.div_(world))
+
+    # DDP checks the annotation itself (a string here, under postponed annotations)
+    kit_all_reduce_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+    return kit_all_reduce_hook
+
+
+# --------------------------------------------------------------------------- measuring backward
+
+
+class BackwardProfile:
+    """When each gradient became ready during one backward, measured in one process.
+
+    ``ready`` holds (seconds after backward started, bytes) per trainable parameter in
+    *reverse parameter order* — the order the wrappers fill buckets in — and ``names``
+    their names; ``forward`` and ``backward`` are the two passes' times.
+    What ``ok.costmodel.ddp_step`` needs to predict a data-parallel step.
+    """
+
+    def __init__(self, forward: float, backward: float, ready: list[tuple[float, int]],
+                 names: list[str]):  # fmt: skip
+        self.forward, self.backward, self.ready, self.names = forward, backward, ready, names
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b for _, b in self.ready)
+
+    def __repr__(self) -> str:
+        return (
+            f"BackwardProfile(forward={self.forward * 1e3:.2f} ms, backward="
+            f"{self.backward * 1e3:.2f} ms, {len(self.ready)} gradients, "
+            f"{self.total_bytes / 2**20:.2f} MiB)"
+        )
+
+
+def profile_backward(module: torch.nn.Module, step, repeats: int = 5) -> BackwardProfile:
+    """Time ``step(module) -> loss`` (forward) and its backward, and when each gradient
+    became ready; median of ``repeats`` runs after one warm-up. Gradients are cleared."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    names = {id(p): n for n, p in module.named_parameters()}
+    runs = []
+    for _ in range(repeats + 1):
+        stamps: list[tuple[float, torch.Tensor]] = []
+        hooks = [
+            p.register_post_accumulate_grad_hook(
+                lambda q, into=stamps: into.append((time.perf_counter(), q))
+            )
+            for p in params
+        ]
+        try:
+            t0 = time.perf_counter()
+            loss = step(module)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+        finally:
+            for h in hooks:
+                h.remove()
+        for p in params:
+            p.grad = None
+        runs.append((t1 - t0, t2 - t1, [(t - t1, q) for t, q in stamps]))
+    runs = sorted(runs[1:], key=lambda r: r[1])
+    forward, backward, stamps = runs[len(runs) // 2]
+    when = {id(q): t for t, q in stamps}
+    order = list(reversed(params))
+    # a parameter without a gradient (unused) is ready when backward ends
+    ready = [(when.get(id(p), backward), p.numel() * p.element_size()) for p in order]
+    return BackwardProfile(forward, backward, ready, [names[id(p)] for p in order])

@@ -1,0 +1,264 @@
+"""The data-parallel wrappers: same weights as one process on the whole batch, and clear errors."""
+
+import pytest
+import torch
+
+import overlapkit as ok
+
+STEPS = 5
+PER_RANK = 4
+
+
+class Net(torch.nn.Module):
+    """Tied, frozen, unused and sometimes-unused parameters, and a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 8)
+        self.hidden = torch.nn.Linear(8, 8)
+        self.frozen = torch.nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        self.branch = torch.nn.Linear(8, 8)  # used only for inputs whose first value > 0
+        self.never = torch.nn.Linear(8, 3)  # never used
+        self.dec = torch.nn.Linear(8, 8)
+        self.dec.weight = self.inp.weight  # tied: one parameter under two names
+        self.register_buffer("scale", torch.tensor(1.0))
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.hidden(h)) + self.frozen(h)
+        if x[0, 0] > 0:
+            h = h + self.branch(h)
+        return self.dec(h) * self.scale
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return Net()
+
+
+def _batches(world):
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for step in range(STEPS):
+        x = torch.randn(world * PER_RANK, 8, generator=gen)
+        # the branch runs on some ranks only, differently each step
+        for r in range(world):
+            x[r * PER_RANK, 0] = 1.0 if (r + step) % 2 else -1.0
+        out.append((x, torch.randn(world * PER_RANK, 8, generator=gen)))
+    return out
+
+
+def _reference(world):
+    """One process, the whole batch: each rank's slice is its own mean, as DDP averages."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in _batches(world):
+        loss = 0.0
+        for r in range(world):
+            sl = slice(r * PER_RANK, (r + 1) * PER_RANK)
+            loss = loss + torch.nn.functional.mse_loss(model(x[sl]), y[sl]) / world
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model
+
+
+def _train(wrapper, world, me, log_loss=False):
+    opt = torch.optim.SGD(wrapper.parameters(), lr=0.1, momentum=0.9)
+    sl = slice(me * PER_RANK, (me + 1) * PER_RANK)
+    for x, y in _batches(world):
+        loss = torch.nn.functional.mse_loss(wrapper(x[sl]), y[sl])
+        loss.backward()
+        if log_loss:  # the learner's own collective while gradients are in flight
+            logged = loss.detach().clone()
+            torch.distributed.all_reduce(logged)
+        wrapper.finish_gradient_synchronization()
+        wrapper.finish_gradient_synchronization()  # idempotent
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+CONFIGS = [
+    ("NaiveDDP", {}),
+    ("OverlapDDP", {}),
+    ("BucketedDDP", {"bucket_mb": 1e-4}),  # ~100 bytes: smaller than most parameters
+    ("BucketedDDP", {"bucket_mb": 0.0005}),
+    ("BucketedDDP", {}),
+    ("BucketedDDP", {"bucket_mb": None}),
+]
+
+
+def _all_configs(all_reduce):
+    me, world = ok.rank(), ok.world_size()
+    want = _reference(world).state_dict()
+    worst = {}
+    for name, kwargs in CONFIGS:
+        # rank-dependent seed: the broadcast from rank 0 must make them equal
+        wrapper = getattr(ok, name)(_model(seed=me), all_reduce=all_reduce, **kwargs)
+        _train(wrapper, world, me, log_loss=True)
+        got = wrapper.module.state_dict()
+        diff = max((got[k] - want[k]).abs().max().item() for k in want)
+        worst[f"{name}{kwargs}"] = diff
+        assert wrapper.module.never.weight.grad is None  # no rank ever used it
+    return worst
+
+
+@pytest.mark.parametrize(
+    "world, all_reduce, link",
+    [
+        (2, None, None),
+        (3, None, None),
+        (2, "ring", None),
+        (3, "ring", ok.Link(20, 5)),
+        (2, "ring", ok.Link(20, 5)),
+    ],
+)
+def test_every_wrapper_trains_like_one_process_on_the_whole_batch(world, all_reduce, link):
+    results = ok.launch(_all_configs, all_reduce, world_size=world, link=link, timeout=120)
+    for rank, worst in enumerate(results):
+        for config, diff in worst.items():
+            assert diff < 1e-5, f"rank {rank}, {config}: max |Δweight| = {diff}"
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+
+
+def _accumulate(all_reduce):
+    """Two micro-batches per step: the first inside no_sync(), the second synchronised."""
+    me, world = ok.rank(), ok.world_size()
+    reference = _mlp()
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    wrapper = ok.BucketedDDP(_mlp(), bucket_mb=0.0005, all_reduce=all_reduce)
+    opt = torch.optim.SGD(wrapper.parameters(), lr=0.1, momentum=0.9)
+    half = PER_RANK // 2
+    for x, y in _batches(world):
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        plain.step()
+        plain.zero_grad()
+        lo = me * PER_RANK
+        with wrapper.no_sync():
+            a = slice(lo, lo + half)
+            (torch.nn.functional.mse_loss(wrapper(x[a]), y[a]) / 2).backward()
+        b = slice(lo + half, lo + PER_RANK)
+        (torch.nn.functional.mse_loss(wrapper(x[b]), y[b]) / 2).backward()
+        wrapper.finish_gradient_synchronization()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    got, want = wrapper.module.state_dict(), reference.state_dict()
+    return max((got[k] - want[k]).abs().max().item() for k in want)
+
+
+@pytest.mark.parametrize("all_reduce", [None, "ring"])
+def test_no_sync_accumulation_equals_one_big_batch(all_reduce):
+    diffs = ok.launch(_accumulate, all_reduce, world_size=2, timeout=60)
+    assert all(d < 1e-5 for d in diffs), diffs
+
+
+def _torch_ddp_with_kit_hook():
+    me, world = ok.rank(), ok.world_size()
+    ours, theirs = _mlp(), _mlp()
+    ddp = torch.nn.parallel.DistributedDataParallel(theirs, bucket_cap_mb=0.0002)
+    ddp.register_comm_hook(None, ok.ddp_comm_hook())
+    kit = ok.BucketedDDP(ours, bucket_mb=0.0002, all_reduce="ring")
+    gen = torch.Generator().manual_seed(me)
+    for _ in range(3):
+        x, y = torch.randn(5, 8, generator=gen), torch.randn(5, 8, generator=gen)
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        torch.nn.functional.mse_loss(kit(x), y).backward()
+        kit.finish_gradient_synchronization()
+        for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+            assert torch.allclose(p.grad, q.grad, atol=1e-6), (p.grad - q.grad).abs().max()
+            p.grad = q.grad = None
+    return True
+
+
+def test_torch_ddp_with_the_kit_comm_hook_averages_like_bucketed_ddp():
+    assert ok.launch(_torch_ddp_with_kit_hook, world_size=2, link=ok.Link(20, 5), timeout=60)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _no_trainable():
+    m = torch.nn.Linear(3, 3)
+    m.requires_grad_(False)
+    ok.BucketedDDP(m)
+
+
+def test_a_model_without_trainable_parameters_is_refused():
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        ok.launch(_no_trainable, world_size=2, timeout=30)
+
+
+def _bad_bucket(size):
+    ok.BucketedDDP(torch.nn.Linear(3, 3), bucket_mb=size)
+
+
+@pytest.mark.parametrize("size", [0, -1])
+def test_a_bucket_size_that_is_not_positive_is_refused(size):
+    with pytest.raises(ValueError, match="bucket_mb must be positive"):
+        ok.launch(_bad_bucket, size, world_size=2, timeout=30)
+
+
+def _different_models():
+    width = 4 if ok.rank() == 1 else 3
+    ok.OverlapDDP(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, width)))
+
+
+def test_ranks_with_different_models_get_an_error_naming_rank_and_parameter():
+    with pytest.raises(ValueError) as info:
+        ok.launch(_different_models, world_size=2, timeout=30)
+    text = str(info.value)
+    assert "rank 1's model differs from rank 0's" in text
+    assert "'1.weight' of shape [3, 3]" in text and "[4, 3]" in text
+
+
+def _finish_before_backward():
+    model = ok.BucketedDDP(torch.nn.Linear(3, 3))
+    model(torch.randn(2, 3)).sum()
+    model.finish_gradient_synchronization()
+
+
+def test_finishing_before_backward_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="before any backward"):
+        ok.launch(_finish_before_backward, world_size=2, timeout=30)
+
+
+def _forgot_to_finish():
+    model = ok.OverlapDDP(torch.nn.Linear(3, 3))
+    model(torch.randn(2, 3)).sum().backward()
+    model(torch.randn(2, 3)).sum().backward()
+
+
+def test_a_second_step_without_synchronising_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="never synchronised"):
+        ok.launch(_forgot_to_finish, world_size=2, timeout=30)
+
+
+# --------------------------------------------------------------------------- timeline
+
+
+def _timeline_step():
+    tl = ok.Timeline()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    ddp = ok.BucketedDDP(model, bucket_mb=0.02, all_reduce="ring", timeline=tl)
+    for _ in range(2):
+        ddp(torch.randn(16, 64)).square().mean().backward()
+        ddp.finish_gradient_synchronization()
+    return tl, len(ddp.buckets)
+
+
+def test_the_wrapper_records_forward_backward_and_one_comm_span_per_bucket():
+    (tl, buckets), _ = ok.launch(_timeline_step, world_size=2, link=ok.Link(50, 1), timeout=60)
+    names = [s.name for s in tl.spans]
+    assert names.count("forward") == 2 and names.count("backward") == 2
+    comm = [s for s in tl.spans if s.lane == "comm"]
+    assert len(comm) == 2 * buckets and buckets > 1
+    backward = [s for s in tl.spans if s.name == "backward"]
+    # the first bucket starts during backward: that is the overlap
+    assert backward[0].start < comm[0].start < backward[0].end
+    assert tl.hidden_fraction() > 0
