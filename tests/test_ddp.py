@@ -158,7 +158,7 @@ def test_no_sync_accumulation_equals_one_big_batch(all_reduce):
 
 
 def _torch_ddp_with_kit_hook():
-    me, world = ok.rank(), ok.world_size()
+    me = ok.rank()
     ours, theirs = _mlp(), _mlp()
     ddp = torch.nn.parallel.DistributedDataParallel(theirs, bucket_cap_mb=0.0002)
     ddp.register_comm_hook(None, ok.ddp_comm_hook())
