@@ -42,7 +42,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     bc.add_argument("--reps", type=int, default=5)
     bc.add_argument("--warmup", type=int, default=1)
-    for p in (bl, bc):
+    bd = which.add_parser(
+        "ddp", help="naive, per-parameter and bucketed DDP vs PyTorch DDP, with predictions"
+    )
+    bd.add_argument("--layers", type=int, default=16, help="Linear+ReLU layers (>= 8)")
+    bd.add_argument("--width", type=int, default=256)
+    bd.add_argument("--world-size", type=int, default=2)
+    bd.add_argument(
+        "--link", default=None, help="emulate a link: LATENCY_US,BANDWIDTH_GBPS, e.g. 100,0.25"
+    )
+    bd.add_argument(
+        "--buckets", default="0.1,0.25,0.5,1,2,4,8,25,100", help="bucket sizes (MiB) to sweep"
+    )
+    bd.add_argument("--reps", type=int, default=5)
+    bd.add_argument("--warmup", type=int, default=2)
+    bd.add_argument(
+        "--batch", type=int, default=None, help="per rank (default: backward ≈ one AllReduce)"
+    )
+    bd.add_argument("--no-torch", action="store_true", help="skip PyTorch DDP")
+    for p in (bl, bc, bd):
         p.add_argument("--csv", help="also write the rows to this CSV file")
         p.add_argument("--json", help="also write the rows to this JSON file")
 
@@ -66,6 +84,27 @@ def main(argv: list[str] | None = None) -> int:
             link=link,
             reps=args.reps,
             warmup=args.warmup,
+            csv_path=args.csv,
+            json_path=args.json,
+        )
+    elif args.bench == "ddp":
+        from .bench.ddp import run
+        from .p2p import Link
+
+        link = None
+        if args.link:
+            latency, bandwidth = (float(x) for x in args.link.split(","))
+            link = Link(latency, bandwidth)
+        run(
+            layers=args.layers,
+            width=args.width,
+            world=args.world_size,
+            link=link,
+            bucket_sweep=[float(b) for b in args.buckets.split(",")],
+            reps=args.reps,
+            warmup=args.warmup,
+            batch=args.batch,
+            torch_ddp=not args.no_torch,
             csv_path=args.csv,
             json_path=args.json,
         )

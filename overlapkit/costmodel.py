@@ -141,6 +141,105 @@ def bucketed_all_reduce(
     return n_buckets * ring_all_reduce(S / n_buckets, N, alpha, beta, gamma)
 
 
+# --------------------------------------------------------------------------- data-parallel step
+
+#: bucket sizes (MiB) the bench and the labs sweep
+BUCKET_SWEEP_MB = (0.1, 0.25, 0.5, 1, 2, 4, 8, 25, 100)
+
+
+def ddp_buckets(sizes: Sequence[int], bucket_mb: float | None) -> list[list[int]]:
+    """Group gradients (bytes, in the order they become ready) into buckets as the
+    wrappers do: consecutive, at most ``bucket_mb`` MiB, one per gradient too big.
+    ``bucket_mb=None``: one bucket; ``0``: one per gradient (OverlapDDP)."""
+    limit = math.inf if bucket_mb is None else bucket_mb * 2**20
+    buckets: list[list[int]] = []
+    size = 0.0
+    for i, nbytes in enumerate(sizes):
+        if buckets and size + nbytes <= limit:
+            buckets[-1].append(i)
+            size += nbytes
+        else:
+            buckets.append([i])
+            size = nbytes
+    return buckets
+
+
+def ddp_step(
+    ready: Sequence[tuple[float, int]],
+    forward: float,
+    backward: float,
+    N: int,
+    alpha: float,
+    beta: float,
+    strategy: str = "bucketed",
+    bucket_mb: float | None = 25,
+    per_op: float = 0.0,
+    comm_cpu: float = 0.0,
+) -> dict:
+    """Predict one data-parallel step from when each gradient is ready during backward.
+
+    ``ready``: (seconds after backward starts, bytes) per gradient in the order the
+    buckets are filled (``ok.profile_backward`` measures it); ``per_op``: the
+    software cost of one AllReduce beyond the α-β model (the kit's ring in Python:
+    a fraction of a millisecond); ``comm_cpu``: the seconds of this rank's CPU that
+    communicating all the gradients takes (copies, sums, bookkeeping) — where a rank
+    has one core, communication that overlaps backward stretches it by that much
+    (0 on a GPU, whose copy engines and NCCL kernels do not take the host's core).
+    The AllReduces share one link and run one after another::
+
+        backward |██████████████████|
+        bucket 0      ready ─► |▒▒▒▒|
+        bucket 1                ready ─► |▒▒▒▒▒|
+        bucket 2 (last)                   ready ─►|▒▒▒▒▒▒|   ← the exposed tail
+
+    bucket k starts at max(ready_k, end_{k−1}) and takes per_op + ring_all_reduce(S_k);
+    naive starts every AllReduce after backward. step = forward + max(backward,
+    end of the last AllReduce). Returns step, comm (sum of AllReduce times),
+    exposed (comm not under backward), the buckets' (start, end) and bytes.
+    """
+    if strategy not in ("naive", "overlap", "bucketed"):
+        raise ValueError(f"strategy must be 'naive', 'overlap' or 'bucketed', got {strategy!r}")
+    if strategy != "naive" and comm_cpu:  # overlapped work shares the rank's core
+        stretch = (backward + comm_cpu) / backward if backward > 0 else 1.0
+        ready = [(t * stretch, nbytes) for t, nbytes in ready]
+        backward = backward + comm_cpu
+    sizes = [nbytes for _, nbytes in ready]
+    groups = ddp_buckets(sizes, 0 if strategy != "bucketed" else bucket_mb)
+    spans, end = [], 0.0
+    for idx in groups:
+        nbytes = sum(sizes[i] for i in idx)
+        cost = per_op + ring_all_reduce(nbytes, N, alpha, beta)
+        ready_at = backward if strategy == "naive" else max(ready[i][0] for i in idx)
+        start = max(ready_at, end)
+        end = start + cost
+        spans.append((start, end, nbytes))
+    comm = sum(e - s for s, e, _ in spans)
+    finish = max(backward, end)
+    return {
+        "step": forward + finish,
+        "comm": comm,
+        "exposed": finish - backward,
+        "hidden_fraction": 1 - (finish - backward) / comm if comm else 1.0,
+        "buckets": len(groups),
+        "spans": spans,
+        "forward": forward,
+        "backward": backward,
+    }
+
+
+def best_bucket_mb(ready, forward, backward, N, alpha, beta, per_op=0.0, comm_cpu=0.0,
+                   candidates: Sequence[float] = BUCKET_SWEEP_MB) -> float:  # fmt: skip
+    """The bucket size (among ``candidates``) with the shortest predicted step: big
+    enough that per-message costs stop mattering, small enough that the first bucket
+    starts early and the exposed last one is short."""
+
+    def step(mb):
+        return ddp_step(ready, forward, backward, N, alpha, beta, "bucketed", mb, per_op,
+                        comm_cpu)["step"]  # fmt: skip
+
+    return min(candidates, key=step)
+
+
 def pipeline_bubble(stages: int, micro_batches: int) -> float:
     """Idle fraction of a GPipe/1F1B schedule: (p − 1) / (m + p − 1)."""
     return (stages - 1) / (micro_batches + stages - 1)

@@ -90,3 +90,50 @@ def test_default_tree_is_pipelined_with_the_best_piece_count():
     best = cm.tree_all_reduce(S, N, A, B)
     assert best == min(cm.tree_all_reduce(S, N, A, B, chunks=k) for k in range(1, 2000))
     assert best < cm.tree_all_reduce(S, N, A, B, chunks=1) / 5
+
+
+# --------------------------------------------------------------------------- data-parallel step
+
+# 8 gradients of 1 MiB, ready every 1 ms during an 8 ms backward
+READY = [((i + 1) * 1e-3, 2**20) for i in range(8)]
+ALPHA, BETA = 100e-6, 1 / 0.25e9  # Link(100 µs, 0.25 GB/s)
+
+
+def test_naive_ddp_step_is_forward_plus_backward_plus_every_all_reduce_after_it():
+    got = cm.ddp_step(READY, 2e-3, 8e-3, 2, ALPHA, BETA, "naive")
+    one = cm.ring_all_reduce(2**20, 2, ALPHA, BETA)
+    assert got["step"] == pytest.approx(2e-3 + 8e-3 + 8 * one)
+    assert got["hidden_fraction"] == pytest.approx(0.0)
+
+
+def test_bucketed_ddp_step_exposes_only_what_runs_past_backward():
+    got = cm.ddp_step(READY, 2e-3, 8e-3, 2, ALPHA, BETA, "bucketed", bucket_mb=2)
+    pair = cm.ring_all_reduce(2 * 2**20, 2, ALPHA, BETA)
+    # 4 buckets of 2 MiB ready at 2, 4, 6, 8 ms; each takes ~8.6 ms: the link is the limit
+    assert got["buckets"] == 4
+    assert got["step"] == pytest.approx(2e-3 + 2e-3 + 4 * pair)
+    assert got["exposed"] == pytest.approx(2e-3 + 4 * pair - 8e-3)
+
+
+def test_one_bucket_starts_only_when_backward_is_over():
+    got = cm.ddp_step(READY, 0.0, 8e-3, 2, ALPHA, BETA, "bucketed", bucket_mb=None)
+    assert got["buckets"] == 1 and got["spans"][0][0] == pytest.approx(8e-3)
+
+
+def test_a_per_message_cost_makes_tiny_buckets_slow_and_picks_a_middle_size():
+    ready = [((i + 1) * 1e-4, 64 * 2**10) for i in range(256)]  # 16 MiB in 64 KiB pieces
+    fast = dict(N=2, alpha=ALPHA, beta=BETA)
+    tiny = cm.ddp_step(ready, 0, 0.0256, **fast, strategy="overlap", per_op=3e-4)
+    mid = cm.ddp_step(ready, 0, 0.0256, **fast, strategy="bucketed", bucket_mb=2,
+                             per_op=3e-4)  # fmt: skip
+    assert tiny["step"] > mid["step"]
+    best = cm.best_bucket_mb(ready, 0, 0.0256, 2, ALPHA, BETA, per_op=3e-4)
+    assert 0.25 <= best <= 8
+
+
+def test_communication_cpu_stretches_an_overlapped_backward_not_a_naive_one():
+    base = cm.ddp_step(READY, 0, 8e-3, 2, ALPHA, BETA, "bucketed", 2)
+    cpu = cm.ddp_step(READY, 0, 8e-3, 2, ALPHA, BETA, "bucketed", 2, comm_cpu=4e-3)
+    assert cpu["spans"][0][0] == pytest.approx(base["spans"][0][0] * 1.5)
+    naive = cm.ddp_step(READY, 0, 8e-3, 2, ALPHA, BETA, "naive", comm_cpu=4e-3)
+    assert naive["backward"] == 8e-3
