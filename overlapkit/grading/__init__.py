@@ -6,9 +6,11 @@ Use in a notebook right after an exercise::
 """
 
 from .collectives import check_all_gather, check_all_reduce, check_reduce_scatter
+from .ddp import check_assign_buckets, check_bucketed_ddp, check_hook_ddp
 from .lab00 import check_fit_alpha_beta, check_ping_pong
 from .lab01 import check_bytes_moved
 from .lab04 import check_zero1_step
+from .lab05 import check_overlapped_step, check_timed_step
 from .report import Report
 
 __all__ = [
@@ -20,4 +22,9 @@ __all__ = [
     "check_all_gather",
     "check_bytes_moved",
     "check_zero1_step",
+    "check_overlapped_step",
+    "check_timed_step",
+    "check_hook_ddp",
+    "check_assign_buckets",
+    "check_bucketed_ddp",
 ]
