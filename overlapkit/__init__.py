@@ -3,7 +3,7 @@
 Conventional import: ``import overlapkit as ok``.
 """
 
-from . import builtin, costmodel, diagrams, grading, p2p, pingpong
+from . import builtin, costmodel, diagrams, grading, p2p, pingpong, widgets
 from .collectives import (
     CollectiveMismatchError,
     bucketed_all_reduce,
@@ -47,6 +47,7 @@ __all__ = [
     "diagrams",
     "grading",
     "pingpong",
+    "widgets",
     "launch",
     "Timeline",
     "Span",
