@@ -1,0 +1,576 @@
+"""Checks for lab 05: an AllReduce overlapped with independent compute, and its timeline.
+
+The learner's step runs on 2 ranks over an emulated link, so that the AllReduce
+takes measurable time (about 20 ms for the check's 4 MiB gradient). The check
+hands it a ``compute`` that really computes (matrix products) for longer than
+that, and watches from the outside::
+
+    issue ─┬─ RS step ─ AG step ─┐ done           (the kit's own spans: the true end)
+           └─ compute() ──────────────┘ wait()     (the check's compute, the handle's wait)
+
+From those times it says which mistake broke the overlap: ``wait()`` before
+``compute()`` (the serial step), the AllReduce started after ``compute()``, a
+blocking call (no ``async_op=True``), a handle never waited, the built-in
+``dist.all_reduce`` where the kit's op is asked, a gradient reduced twice, or
+the wrong thing returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+
+import cloudpickle
+import torch
+
+from ..p2p import Link
+from .common import run_or_report
+from .report import Report
+
+#: the link of the check: 100 µs, 0.25 GB/s (this machine keeps up with it)
+LINK = Link(latency_us=100, bandwidth_gbps=0.25)
+#: the gradient: 4 MiB of float32, about 20 ms of AllReduce over LINK on 2 ranks
+NUMEL = 1 << 20
+#: the check's compute() runs this long, longer than the AllReduce, so all of it can hide
+COMPUTE_S = 0.04
+#: the share of the AllReduce that must run under compute() (a right step hides ~100%)
+MIN_HIDDEN = 0.5
+WORLD = 2
+TIMEOUT_S = 30.0
+
+
+def _now() -> float:
+    return time.perf_counter()
+
+
+def _gradient(rank: int) -> torch.Tensor:
+    """Small integers stored as floats: sums are exact in any order."""
+    g = torch.Generator().manual_seed(500 + rank)
+    return torch.randint(-9, 10, (NUMEL,), generator=g).float()
+
+
+class _Compute:
+    """The independent work of the step: one small layer's output, computed while the
+    rest of ``seconds`` is spent in more matrix products (real arithmetic, as a layer's
+    backward would do, not a sleep)."""
+
+    def __init__(self, rank: int, seconds: float):
+        g = torch.Generator().manual_seed(700 + rank)
+        self.x, self.w = torch.randn(32, 64, generator=g), torch.randn(64, 16, generator=g)
+        self.burn = torch.randn(160, 160, generator=g)
+        self.seconds = seconds
+        self.expected = torch.tanh(self.x @ self.w)
+        self.runs: list[tuple[float, float]] = []
+
+    def __call__(self) -> torch.Tensor:
+        start = _now()
+        out = torch.tanh(self.x @ self.w)
+        while _now() - start < self.seconds:
+            self.burn @ self.burn
+        self.runs.append((start, _now()))
+        return out
+
+
+class _Call:
+    """One call of ``ok.ring_all_reduce`` by the learner, as seen from outside."""
+
+    def __init__(self, async_op: bool):
+        self.issued = _now()
+        self.async_op = async_op
+        self.steps: list[tuple[float, float]] = []  # the kit's RS/AG step spans
+        self.waits: list[float] = []  # when wait() was called
+        self.waited: list[float] = []  # when it returned
+        self.handle = None
+
+    @contextlib.contextmanager
+    def span(self, name: str, lane: str = "comm", forward=None):
+        """What ``ring_all_reduce(timeline=...)`` records into: the op's steps, on its worker."""
+        start = _now()
+        try:
+            if forward is None:
+                yield
+            else:  # the learner passed a timeline of their own: it gets the spans too
+                with forward.span(name, lane):
+                    yield
+        finally:
+            self.steps.append((start, _now()))
+
+    @property
+    def done(self) -> float | None:
+        """When the AllReduce really ended (its last step), whatever waited for it."""
+        return max((end for _, end in self.steps), default=None)
+
+
+class _Probe:
+    """Wraps ``ok.ring_all_reduce`` (over the traffic recorder) to time each call and
+    its handle's ``wait()``."""
+
+    def __init__(self):
+        self.calls: list[_Call] = []
+
+    def wrap(self, original):
+        probe = self
+
+        @functools.wraps(original)
+        def ring_all_reduce(tensor, *args, **kwargs):
+            # positional order: tensor, op, group, async_op, check, timeline
+            async_op = bool(kwargs.get("async_op", args[2] if len(args) > 2 else False))
+            call = _Call(async_op)
+            probe.calls.append(call)
+            if len(args) < 5:
+                theirs = kwargs.get("timeline")
+                recorder = _Recorder(call, theirs)
+                kwargs["timeline"] = recorder
+            result = original(tensor, *args, **kwargs)
+            if result is not None:
+                call.handle = result
+                _watch_wait(result, call)
+            return result
+
+        return ring_all_reduce
+
+    @contextlib.contextmanager
+    def installed(self):
+        import overlapkit
+
+        from .. import collectives
+
+        patched = []
+        wrapped = self.wrap(collectives.ring_all_reduce)
+        for module in (collectives, overlapkit):
+            patched.append((module, module.ring_all_reduce))
+            module.ring_all_reduce = wrapped
+        try:
+            yield self
+        finally:
+            for module, original in reversed(patched):
+                module.ring_all_reduce = original
+
+
+class _Recorder:
+    """Passed as ``timeline=`` to the kit's ring: it only calls ``.span(name, lane)``."""
+
+    def __init__(self, call: _Call, forward):
+        self._call, self._forward = call, forward
+
+    def span(self, name: str, lane: str = "comm"):
+        return self._call.span(name, lane, self._forward)
+
+
+def _watch_wait(handle, call: _Call) -> None:
+    """Note when ``handle.wait()`` is called and returns (also through Timeline.track)."""
+    original = handle.wait
+
+    @functools.wraps(original)
+    def wait(*args, **kwargs):
+        call.waits.append(_now())
+        try:
+            return original(*args, **kwargs)
+        finally:
+            call.waited.append(_now())
+
+    handle.wait = wait
+
+
+def _describe_returned(out, grad: torch.Tensor, compute: _Compute) -> str | None:
+    """None if ``out`` is compute()'s result, else what it is instead."""
+    if isinstance(out, torch.Tensor):
+        if out.shape == compute.expected.shape and torch.allclose(out, compute.expected):
+            return None
+        if out is grad or (out.shape == grad.shape and torch.equal(out, grad)):
+            return "grad"
+        return f"a tensor of shape {tuple(out.shape)} that is not compute()'s result"
+    if out is None:
+        return "None"
+    return f"a {type(out).__name__}"
+
+
+def _grad_problem(grad: torch.Tensor, mine: torch.Tensor, total: torch.Tensor, world: int):
+    """(element, expected, got, what it is) where grad first differs from the sum, or None."""
+    bad = grad != total
+    if not bad.any():
+        return None
+    i = int(bad.nonzero()[0])
+    if torch.equal(grad, mine):
+        kind = "own"
+    elif torch.equal(grad, total * world):
+        kind = "twice"
+    elif torch.allclose(grad, total / world):
+        kind = "avg"
+    else:
+        kind = ""
+    return i, total[i].item(), grad[i].item(), kind
+
+
+def _spans_of(timeline, t0: float):
+    spans = getattr(timeline, "spans", None)
+    if not isinstance(spans, list):
+        return None
+    return [(s.name, s.lane, s.start - t0, s.end - t0) for s in spans]
+
+
+def _run(fn_bytes: bytes, timed: bool, compute_s: float):
+    """One step of the learner's function on this rank; what was seen, as plain data."""
+    import overlapkit as ok
+
+    from .. import handles
+
+    me, world = ok.rank(), ok.world_size()
+    # the communication worker starts with the first async op (a few ms): not in the step
+    ok.collectives.ring_all_reduce(torch.zeros(world), async_op=True).wait()
+    probe = _Probe()
+    grad = _gradient(me)
+    mine = grad.clone()
+    total = sum(_gradient(r) for r in range(world))
+    compute = _Compute(me, compute_s)
+    timeline = ok.Timeline() if timed else None
+    align = ok.collectives.ring_all_reduce  # not the learner's: taken before the probe
+    with probe.installed():
+        # loaded here, so that even `from torch.distributed import all_reduce` is seen
+        fn = cloudpickle.loads(fn_bytes)
+        # the ranks start the step together (a late peer would stretch the AllReduce)
+        align(torch.zeros(world))
+        t0 = _now()
+        out = fn(grad, compute, timeline) if timed else fn(grad, compute)
+        returned = _now()
+
+    def rel(t):
+        return None if t is None else t - t0
+
+    # as the step left them, before the check waits for what it did not
+    calls = [
+        {
+            "async": c.async_op,
+            "issued": rel(c.issued),
+            "waits": [rel(t) for t in c.waits],
+            "waited": [rel(t) for t in c.waited],
+            "handle": c.handle is not None,
+            "site": getattr(c.handle, "site", "?"),
+            "running_at_return": c.handle is not None and not c.handle.is_completed(),
+        }
+        for c in probe.calls
+    ]
+    for c in probe.calls:  # settle what was never waited, so that grad is read after it
+        if c.handle is not None and not c.waits:
+            with contextlib.suppress(Exception):
+                c.handle.wait(timeout=TIMEOUT_S / 2)
+    for c, seen in zip(probe.calls, calls, strict=True):
+        seen["done"] = rel(c.done)
+    unwaited = handles.take_unwaited()  # reported by the check, not as a warning
+
+    return {
+        "calls": calls,
+        "compute": [(rel(a), rel(b)) for a, b in compute.runs],
+        "returned_at": rel(returned),
+        "returned": _describe_returned(out, grad, compute),
+        "grad": _grad_problem(grad, mine, total, world),
+        "unwaited": unwaited,
+        "spans": _spans_of(timeline, t0) if timed else None,
+    }
+
+
+def _ms(t: float) -> str:
+    return f"{t * 1e3:.1f} ms"
+
+
+# --------------------------------------------------------------------------- the cases
+
+
+def _explain(text: str) -> str:
+    """A rank's error in the exercise's terms."""
+    sep = " " if text.rstrip().endswith((".", "!", "?")) else ". "
+    if "'NoneType' object has no attribute 'wait'" in text:
+        return sep + (
+            "ok.ring_all_reduce returned None: without async_op=True it runs to the end "
+            "and returns nothing. Start it with handle = ok.ring_all_reduce(grad, "
+            "async_op=True)."
+        )
+    if "TimeoutError" in text and "wait(timeout" in text:
+        return sep + (
+            "wait(timeout=...) gave up while the AllReduce was still running (it raises "
+            "TimeoutError, the op goes on): call handle.wait() without a timeout here."
+        )
+    return ""
+
+
+def _builtin_problem(rank: int, traffic) -> str | None:
+    builtins = sorted({c for c in traffic.collectives if not c.startswith("ok.")})
+    builtins += sorted(set(traffic.direct))
+    if builtins:
+        called = ", ".join(
+            name if name.startswith("torch.") else f"torch.distributed.{name}" for name in builtins
+        )
+        return (
+            f"rank {rank} called {called}: use the kit's op, handle = ok.ring_all_reduce(grad, "
+            "async_op=True). The built-in's bytes bypass the emulated link (and the kit's "
+            "worker), so there is no AllReduce on the link to overlap or to time"
+        )
+    others = sorted(
+        {c for c in traffic.collectives if c.startswith("ok.")} - {"ok.ring_all_reduce"}
+    )
+    if others:
+        return (
+            f"rank {rank} called {', '.join(others)}: this step uses ok.ring_all_reduce(grad, "
+            "async_op=True), the kit op that returns a handle"
+        )
+    return None
+
+
+def _handle_case(report: Report, results, name: str) -> None:
+    """Case 1: the kit op, once, asynchronously, and its handle waited."""
+    for rank, (seen, traffic) in enumerate(results):
+        problem = _builtin_problem(rank, traffic)
+        if problem:
+            report.fail(problem)
+            return
+        calls = seen["calls"]
+        if not calls:
+            report.fail(
+                f"rank {rank} never called ok.ring_all_reduce: start the AllReduce with "
+                "handle = ok.ring_all_reduce(grad, async_op=True) before compute()"
+            )
+            return
+        if len(calls) > 1:
+            report.fail(
+                f"rank {rank} called ok.ring_all_reduce {len(calls)} times: all-reduce the "
+                "gradient once (a second AllReduce sums the sums again)"
+            )
+            return
+        call = calls[0]
+        if not call["async"]:
+            report.fail(
+                f"rank {rank} called ok.ring_all_reduce without async_op=True: it blocked "
+                f"for the whole AllReduce ({_ms(call['done'] - call['issued'])}) and returned "
+                "None, so nothing could overlap with it. Pass async_op=True and keep the handle"
+            )
+            return
+        if not call["waits"]:
+            state = (
+                "was still running, so whoever reads grad next reads it half reduced"
+                if call["running_at_return"]
+                else "had ended, but only because compute() took longer: nothing made the "
+                "rank wait for it, and with a shorter compute() grad would be read half reduced"
+            )
+            report.fail(
+                f"rank {rank}: you never called wait() on the handle ok.ring_all_reduce "
+                f"returned (started at {call['site']}). When {name} returned, the AllReduce "
+                f"{state}. Call handle.wait() after compute() and before returning "
+                "(handle.wait without parentheses does not call it)"
+            )
+            return
+    report.ok(
+        "each rank started ok.ring_all_reduce(grad, async_op=True) once and waited on its handle"
+    )
+
+
+def _values_case(report: Report, results, name: str) -> None:
+    """Case 2: grad holds the sum over ranks; the step returns compute()'s result."""
+    for rank, (seen, _) in enumerate(results):
+        if seen["grad"] is not None:
+            i, want, got, kind = seen["grad"]
+            hint = {
+                "own": (
+                    " grad is still this rank's own gradient everywhere: the AllReduce never "
+                    "wrote into it (did it run on a copy, such as grad.clone()?)"
+                ),
+                "twice": (f" That is {WORLD}× the sum: the gradient was all-reduced twice."),
+                "avg": (
+                    f" That is the sum divided by {WORLD}: you averaged (op='avg'); this step "
+                    "keeps the sum (the default op)."
+                ),
+            }.get(kind, "")
+            report.fail(
+                f"rank {rank}, element {i} of grad after {name}: expected the sum over ranks "
+                f"{want:g}, got {got:g}.{hint}"
+            )
+            return
+    for rank, (seen, _) in enumerate(results):
+        runs = len(seen["compute"])
+        if runs != 1:
+            report.fail(
+                f"rank {rank} ran compute() {runs} times: run it exactly once, between "
+                "starting the AllReduce and waiting for it"
+                if runs
+                else f"rank {rank} never called compute(): run it between starting the "
+                "AllReduce and waiting for it, and return its result"
+            )
+            return
+        what = seen["returned"]
+        if what is not None:
+            hint = {
+                "None": " Did you forget `return`?",
+                "grad": " The AllReduce leaves the sum in grad itself; the step returns the "
+                "other result, the one computed while the gradient was on the link.",
+                "a Handle": " Wait on the handle; do not return it.",
+                "a _TrackedWork": " Wait on the handle; do not return it.",
+            }.get(what, "")
+            report.fail(
+                f"rank {rank}: {name} returned {what}; return the tensor compute() returned." + hint
+            )
+            return
+    report.ok("every rank's grad holds the sum over ranks, and the step returns compute()'s result")
+
+
+def _overlap_case(report: Report, results, name: str) -> None:
+    """Case 3: the AllReduce was in flight while compute() ran."""
+    for rank, (seen, _) in enumerate(results):
+        calls, runs = seen["calls"], seen["compute"]
+        if len(calls) != 1 or not runs:
+            what = "no ok.ring_all_reduce" if not calls else f"{len(calls)} ok.ring_all_reduce"
+            if not runs:
+                what = "no compute()"
+            report.fail(f"overlap not measured: rank {rank} ran {what} (see above)")
+            return
+        call, (c_start, c_end) = calls[0], runs[0]
+        issued, done = call["issued"], call["done"]
+        if done is None:
+            report.fail(f"overlap not measured: rank {rank}'s AllReduce never ran to its end")
+            return
+        comm = done - issued
+        hidden = max(0.0, min(done, c_end) - max(issued, c_start)) / comm if comm > 0 else 0.0
+        where = (
+            f" (rank {rank}: AllReduce {_ms(issued)}–{_ms(done)}, compute() "
+            f"{_ms(c_start)}–{_ms(c_end)} after the step began)"
+        )
+        if not call["async"]:
+            report.fail(
+                "no overlap: the AllReduce ran synchronously (no async_op=True), so compute() "
+                "could only start after it ended" + where
+            )
+            return
+        early = [t for t in call["waits"] if t < c_start]
+        if early:
+            report.fail(
+                "no overlap: you called wait() before compute(), so the rank sat idle for the "
+                f"whole AllReduce and only then computed: the serial step{where}. Start the "
+                "AllReduce, then compute(), then wait()"
+            )
+            return
+        if issued >= c_end:
+            report.fail(
+                "no overlap: you started the AllReduce after compute() had finished, so "
+                f"there was nothing left to hide it behind{where}. Start it first (async_op="
+                "True), then compute(), then wait()"
+            )
+            return
+        if done <= c_start:
+            report.fail(
+                "no overlap: the AllReduce had already ended before compute() began: "
+                f"something waited for it first (a loop on is_completed()?){where}"
+            )
+            return
+        if hidden < MIN_HIDDEN:
+            report.fail(
+                f"only {hidden:.0%} of the AllReduce ran while compute() did (a right step "
+                f"hides nearly all of it here){where}"
+            )
+            return
+    report.ok("on every rank the AllReduce was in flight while compute() ran")
+
+
+def _timeline_case(report: Report, results) -> None:
+    """Case 4 (timed step): the learner's timeline shows the AllReduce and compute() as
+    they really were."""
+    for rank, (seen, _) in enumerate(results):
+        spans = seen["spans"]
+        if spans is None:
+            report.fail(f"rank {rank}: the timeline has no spans list (was it replaced?)")
+            return
+        comm = [(a, b) for _, lane, a, b in spans if lane == "comm"]
+        comp = [(a, b) for _, lane, a, b in spans if lane == "compute"]
+        if not comm:
+            report.fail(
+                f"rank {rank}: no span on the 'comm' lane. Record the AllReduce with "
+                "handle = timeline.track('all-reduce', ok.ring_all_reduce(grad, async_op=True))"
+            )
+            return
+        if not comp:
+            report.fail(
+                f"rank {rank}: no span on the 'compute' lane. Put compute() in "
+                "`with timeline.span('compute'):`"
+            )
+            return
+        calls, runs = seen["calls"], seen["compute"]
+        if len(calls) != 1 or len(runs) != 1 or calls[0]["done"] is None:
+            report.fail(f"timeline not judged: rank {rank}'s step is not right yet (see above)")
+            return
+        call, (c_start, c_end) = calls[0], runs[0]
+        issued, done = call["issued"], call["done"]
+        tol = 0.003 + 0.1 * (done - issued)
+        s_start, s_end = min(a for a, _ in comp), max(b for _, b in comp)
+        if s_start > c_start + tol or s_end < c_end - tol or s_start < c_start - 10 * tol:
+            report.fail(
+                f"rank {rank}: your compute span ({_ms(s_start)}–{_ms(s_end)}) is not where "
+                f"compute() ran ({_ms(c_start)}–{_ms(c_end)}): put "
+                "`with timeline.span('compute'):` right around the call"
+            )
+            return
+        m_start, m_end = min(a for a, _ in comm), max(b for _, b in comm)
+        if abs(m_start - issued) > tol:
+            report.fail(
+                f"rank {rank}: your comm span starts at {_ms(m_start)}, but the AllReduce "
+                f"was started at {_ms(issued)}: call timeline.track(...) on the handle as "
+                "soon as ok.ring_all_reduce returns it"
+            )
+            return
+        if abs(m_end - done) > tol:
+            returned = call["waited"][-1] if call["waited"] else None
+            at_wait = returned is not None and abs(m_end - returned) <= tol
+            hint = (
+                ": it ends when wait() returned, and so counts the compute it hid behind as "
+                "communication. timeline.track(name, handle) takes the end from the op's "
+                "future, the moment it really finished"
+                if at_wait and m_end > done
+                else ": record it with timeline.track(name, handle), which takes the end "
+                "from the op's future"
+            )
+            report.fail(
+                f"rank {rank}: your comm span ends at {_ms(m_end)}, but the AllReduce "
+                f"finished at {_ms(done)}{hint}"
+            )
+            return
+    report.ok("the timeline shows the AllReduce from its start to its true end, and compute()")
+
+
+def _check(name: str, fn, timed: bool, timeout: float, compute_s: float) -> Report:
+    report = Report(name)
+    from ..launcher import dumps_keeping_filenames  # noqa: PLC0415
+
+    results = run_or_report(report, f"{name} on {WORLD} ranks", _run, dumps_keeping_filenames(fn),
+                            timed, compute_s, world_size=WORLD, timeout=timeout, link=LINK,
+                            explain=_explain)  # fmt: skip
+    if results is None:
+        return report
+    _handle_case(report, results, name)
+    _values_case(report, results, name)
+    _overlap_case(report, results, name)
+    if timed:
+        _timeline_case(report, results)
+    return report
+
+
+def check_overlapped_step(overlapped_step, timeout: float = TIMEOUT_S,
+                          compute_s: float = COMPUTE_S) -> Report:  # fmt: skip
+    """Check ``overlapped_step(grad, compute) -> compute()'s result`` on 2 ranks.
+
+    The step must start ``ok.ring_all_reduce(grad, async_op=True)``, run
+    ``compute()`` while the AllReduce crosses the link, wait on the handle and
+    return what ``compute()`` returned. Four cases: the op and its handle, the
+    values (grad summed over ranks, the result returned), and the overlap (the
+    AllReduce in flight while ``compute()`` ran).
+    """
+    name = getattr(overlapped_step, "__name__", "overlapped_step")
+    return _check(name, overlapped_step, False, timeout, compute_s)
+
+
+def check_timed_step(timed_step, timeout: float = TIMEOUT_S,
+                     compute_s: float = COMPUTE_S) -> Report:  # fmt: skip
+    """Check ``timed_step(grad, compute, timeline)``: the overlapped step, recorded.
+
+    As :func:`check_overlapped_step`, and the timeline must hold the AllReduce
+    on the "comm" lane from its start to its true end (not to the ``wait()``
+    that came later) and ``compute()`` on the "compute" lane.
+    """
+    name = getattr(timed_step, "__name__", "timed_step")
+    return _check(name, timed_step, True, timeout, compute_s)

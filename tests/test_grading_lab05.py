@@ -1,0 +1,280 @@
+"""Lab 05's checks name a learner's typical overlap mistakes, and pass a right step."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from torch.distributed import all_reduce as early_bound_all_reduce
+
+import overlapkit as ok
+
+pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
+
+
+def right(grad, compute):
+    handle = ok.ring_all_reduce(grad, async_op=True)
+    out = compute()
+    handle.wait()
+    return out
+
+
+def wait_before_compute(grad, compute):
+    handle = ok.ring_all_reduce(grad, async_op=True)
+    handle.wait()
+    return compute()
+
+
+def wait_without_parentheses(grad, compute):
+    handle = ok.ring_all_reduce(grad, async_op=True)
+    out = compute()
+    handle.wait  # noqa: B018 - the mistake under test
+    return out
+
+
+def builtin_all_reduce(grad, compute):
+    work = dist.all_reduce(grad, async_op=True)
+    out = compute()
+    work.wait()
+    return out
+
+
+def builtin_imported_by_name(grad, compute):
+    work = early_bound_all_reduce(grad, async_op=True)
+    out = compute()
+    work.wait()
+    return out
+
+
+def blocking_call(grad, compute):
+    ok.ring_all_reduce(grad)
+    return compute()
+
+
+def wait_on_blocking_call(grad, compute):
+    handle = ok.ring_all_reduce(grad)
+    out = compute()
+    handle.wait()
+    return out
+
+
+def all_reduce_after_compute(grad, compute):
+    out = compute()
+    ok.ring_all_reduce(grad, async_op=True).wait()
+    return out
+
+
+def all_reduce_twice(grad, compute):
+    ok.ring_all_reduce(grad)
+    handle = ok.ring_all_reduce(grad, async_op=True)
+    out = compute()
+    handle.wait()
+    return out
+
+
+def returns_grad(grad, compute):
+    handle = ok.ring_all_reduce(grad, async_op=True)
+    compute()
+    handle.wait()
+    return grad
+
+
+def returns_nothing(grad, compute):
+    handle = ok.ring_all_reduce(grad, async_op=True)
+    compute()
+    handle.wait()
+
+
+def polls_before_compute(grad, compute):
+    handle = ok.ring_all_reduce(grad, async_op=True)
+    while not handle.is_completed():
+        pass
+    out = compute()
+    handle.wait()
+    return out
+
+
+def reduces_a_copy(grad, compute):
+    handle = ok.ring_all_reduce(grad.clone(), async_op=True)
+    out = compute()
+    handle.wait()
+    return out
+
+
+def averages(grad, compute):
+    handle = ok.ring_all_reduce(grad, op="avg", async_op=True)
+    out = compute()
+    handle.wait()
+    return out
+
+
+def wait_with_tiny_timeout(grad, compute):
+    handle = ok.ring_all_reduce(grad, async_op=True)
+    handle.wait(timeout=0.001)
+    return compute()
+
+
+def only_rank_0_all_reduces(grad, compute):
+    if ok.rank() == 0:
+        ok.ring_all_reduce(grad, async_op=True).wait()
+    return compute()
+
+
+def unfinished(grad, compute):
+    raise NotImplementedError
+
+
+def verdicts(report) -> list[bool]:
+    return [passed for passed, _ in report.cases]
+
+
+def failure(report) -> str:
+    return next(message for passed, message in report.cases if not passed)
+
+
+def test_a_right_overlapped_step_passes_every_case():
+    report = ok.grading.check_overlapped_step(right)
+    assert verdicts(report) == [True, True, True], report.cases
+    assert report.score == 1.0
+
+
+@pytest.mark.parametrize(
+    "fn, verdict, words",
+    [
+        (wait_before_compute, [True, True, False], ["called wait() before compute()", "serial"]),
+        (wait_without_parentheses, [False, True, True], ["never called wait()", "parentheses"]),
+        (builtin_all_reduce, [False, True, False], ["torch.distributed.all_reduce", "kit's op"]),
+        (builtin_imported_by_name, [False, True, False], ["torch.distributed.all_reduce"]),
+        (blocking_call, [False, True, False], ["without async_op=True", "blocked"]),
+        (all_reduce_after_compute, [True, True, False], ["after compute() had finished"]),
+        (all_reduce_twice, [False, False, False], ["2 times", "all-reduced twice"]),
+        (returns_grad, [True, False, True], ["returned grad", "compute() returned"]),
+        (returns_nothing, [True, False, True], ["returned None", "forget `return`"]),
+        (polls_before_compute, [True, True, False], ["already ended before compute() began"]),
+        (reduces_a_copy, [True, False, True], ["own gradient", "copy"]),
+        (averages, [True, False, True], ["divided by 2", "op='avg'"]),
+    ],
+    ids=lambda v: getattr(v, "__name__", None) if callable(v) else "",
+)
+def test_each_mistake_is_named_in_the_case_it_breaks(fn, verdict, words):
+    report = ok.grading.check_overlapped_step(fn)
+    assert verdicts(report) == verdict, report.cases
+    text = " ".join(message for passed, message in report.cases if not passed)
+    for word in words:
+        assert word in text, (word, text)
+
+
+def test_a_wrong_grad_names_the_rank_the_element_and_both_values():
+    message = failure(ok.grading.check_overlapped_step(averages))
+    assert "rank 0, element 0 of grad" in message
+    assert "expected the sum over ranks -1, got -0.5" in message
+
+
+def test_wait_on_the_none_of_a_blocking_call_is_explained_not_raised():
+    report = ok.grading.check_overlapped_step(wait_on_blocking_call)
+    assert verdicts(report) == [False]
+    assert "'NoneType' object has no attribute 'wait'" in failure(report)
+    assert "async_op=True" in failure(report)
+
+
+def test_a_wait_timeout_that_runs_out_is_explained():
+    report = ok.grading.check_overlapped_step(wait_with_tiny_timeout)
+    assert verdicts(report) == [False]
+    assert "TimeoutError" in failure(report) and "without a timeout" in failure(report)
+
+
+def test_an_unfinished_exercise_is_reported_as_not_implemented():
+    report = ok.grading.check_overlapped_step(unfinished)
+    assert verdicts(report) == [False]
+    assert "not implemented yet" in failure(report)
+
+
+def test_a_step_that_hangs_is_stopped_at_the_timeout():
+    report = ok.grading.check_overlapped_step(only_rank_0_all_reduces, timeout=5)
+    assert verdicts(report) == [False]
+    assert "did not finish within 5 s" in failure(report)
+
+
+# --------------------------------------------------------------------------- the timed step
+
+
+def timed_right(grad, compute, timeline):
+    handle = timeline.track("all-reduce", ok.ring_all_reduce(grad, async_op=True))
+    with timeline.span("compute"):
+        out = compute()
+    handle.wait()
+    return out
+
+
+def timed_with_the_kits_own_spans(grad, compute, timeline):
+    handle = ok.ring_all_reduce(grad, async_op=True, timeline=timeline)
+    with timeline.span("compute"):
+        out = compute()
+    handle.wait()
+    return out
+
+
+def comm_span_until_wait(grad, compute, timeline):
+    start = timeline.now()
+    handle = ok.ring_all_reduce(grad, async_op=True)
+    with timeline.span("compute"):
+        out = compute()
+    handle.wait()
+    timeline.add("all-reduce", start, timeline.now(), "comm")
+    return out
+
+
+def tracked_after_compute(grad, compute, timeline):
+    handle = ok.ring_all_reduce(grad, async_op=True)
+    with timeline.span("compute"):
+        out = compute()
+    timeline.track("all-reduce", handle).wait()
+    return out
+
+
+def no_compute_span(grad, compute, timeline):
+    handle = timeline.track("all-reduce", ok.ring_all_reduce(grad, async_op=True))
+    out = compute()
+    handle.wait()
+    return out
+
+
+def no_comm_span(grad, compute, timeline):
+    handle = ok.ring_all_reduce(grad, async_op=True)
+    with timeline.span("compute"):
+        out = compute()
+    handle.wait()
+    return out
+
+
+def tracked_never_waited(grad, compute, timeline):
+    timeline.track("all-reduce", ok.ring_all_reduce(grad, async_op=True))
+    with timeline.span("compute"):
+        return compute()
+
+
+@pytest.mark.parametrize("fn", [timed_right, timed_with_the_kits_own_spans])
+def test_a_right_timed_step_passes_every_case(fn):
+    report = ok.grading.check_timed_step(fn)
+    assert verdicts(report) == [True] * 4, report.cases
+
+
+@pytest.mark.parametrize(
+    "fn, verdict, words",
+    [
+        (comm_span_until_wait, [True] * 3 + [False], ["ends when wait() returned", "track"]),
+        (tracked_after_compute, [True] * 3 + [False], ["comm span starts at", "as soon as"]),
+        (no_compute_span, [True] * 3 + [False], ["no span on the 'compute' lane"]),
+        (no_comm_span, [True] * 3 + [False], ["no span on the 'comm' lane"]),
+        # the track's future marks the handle done: the check still sees no wait() call
+        (tracked_never_waited, [False, True, True, True], ["never called wait()"]),
+    ],
+    ids=lambda v: getattr(v, "__name__", None) if callable(v) else "",
+)
+def test_each_timeline_mistake_is_named(fn, verdict, words):
+    # compute() well longer than the AllReduce, also on a busy machine: a span that ends
+    # at wait() then ends well after the AllReduce did
+    report = ok.grading.check_timed_step(fn, compute_s=0.1)
+    assert verdicts(report) == verdict, report.cases
+    text = " ".join(message for passed, message in report.cases if not passed)
+    for word in words:
+        assert word in text, (word, text)
