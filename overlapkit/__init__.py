@@ -12,7 +12,14 @@ from .collectives import (
     ring_all_reduce,
     ring_reduce_scatter,
 )
-from .ddp import BucketedDDP, NaiveDDP, OverlapDDP, ddp_comm_hook, profile_backward
+from .ddp import (
+    BucketedDDP,
+    NaiveDDP,
+    OverlapDDP,
+    ddp_comm_hook,
+    measure_host_cost,
+    profile_backward,
+)
 from .launcher import (
     LaunchError,
     LaunchTimeoutError,
@@ -34,6 +41,7 @@ __all__ = [
     "BucketedDDP",
     "ddp_comm_hook",
     "profile_backward",
+    "measure_host_cost",
     "Link",
     "p2p",
     "naive_all_reduce",

@@ -45,8 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     bd = which.add_parser(
         "ddp", help="naive, per-parameter and bucketed DDP vs PyTorch DDP, with predictions"
     )
-    bd.add_argument("--layers", type=int, default=16, help="Linear+ReLU layers (>= 8)")
-    bd.add_argument("--width", type=int, default=256)
+    bd.add_argument("--layers", type=int, default=8, help="Linear+ReLU layers")
+    bd.add_argument("--width", type=int, default=512)
+    bd.add_argument("--bias", action="store_true", help="layers with biases (tiny gradients)")
     bd.add_argument("--world-size", type=int, default=2)
     bd.add_argument(
         "--link", default=None, help="emulate a link: LATENCY_US,BANDWIDTH_GBPS, e.g. 100,0.25"
@@ -54,10 +55,16 @@ def main(argv: list[str] | None = None) -> int:
     bd.add_argument(
         "--buckets", default="0.1,0.25,0.5,1,2,4,8,25,100", help="bucket sizes (MiB) to sweep"
     )
-    bd.add_argument("--reps", type=int, default=5)
+    bd.add_argument("--reps", type=int, default=10)
     bd.add_argument("--warmup", type=int, default=2)
     bd.add_argument(
         "--batch", type=int, default=None, help="per rank (default: backward ≈ one AllReduce)"
+    )
+    bd.add_argument(
+        "--backward-ratio",
+        type=float,
+        default=1.0,
+        help="size the batch so that backward takes this many full-AllReduce times",
     )
     bd.add_argument("--no-torch", action="store_true", help="skip PyTorch DDP")
     for p in (bl, bc, bd):
@@ -98,12 +105,14 @@ def main(argv: list[str] | None = None) -> int:
         run(
             layers=args.layers,
             width=args.width,
+            bias=args.bias,
             world=args.world_size,
             link=link,
             bucket_sweep=[float(b) for b in args.buckets.split(",")],
             reps=args.reps,
             warmup=args.warmup,
             batch=args.batch,
+            backward_ratio=args.backward_ratio,
             torch_ddp=not args.no_torch,
             csv_path=args.csv,
             json_path=args.json,

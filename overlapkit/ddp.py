@@ -36,12 +36,14 @@ before ``optimizer.step()``; inside ``no_sync()`` gradients only accumulate.
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 import weakref
 
 import torch
 import torch.distributed as dist
 
+from . import costmodel, p2p
 from .collectives import buckets_by_size, ring_all_reduce
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "ddp_comm_hook",
     "profile_backward",
     "BackwardProfile",
+    "measure_host_cost",
 ]
 
 
@@ -58,18 +61,20 @@ __all__ = [
 
 
 def _resolve_all_reduce(all_reduce, group):
-    """``flat -> handle``: the built-in on a process group of the wrapper's own (so a
-    learner's ``dist.all_reduce`` on the default group never pairs with it), the kit's
-    ring (``"ring"`` or ``ok.ring_all_reduce``: async, so an emulated link applies),
-    or any ``fn(tensor, async_op=True)`` that sums in place."""
+    """(``flat -> handle``, its group, whether it averages): the built-in on a process
+    group of the wrapper's own (so a learner's ``dist.all_reduce`` on the default group
+    never pairs with it), the kit's ring (``"ring"`` or ``ok.ring_all_reduce``: async, so
+    an emulated link applies), or any ``fn(tensor, async_op=True)`` that sums in place."""
     if all_reduce is None or all_reduce == "builtin":
         ranks = None if group is None else dist.get_process_group_ranks(group)
         own = dist.new_group(ranks=ranks)
-        return lambda flat: dist.all_reduce(flat, group=own, async_op=True), own
+        return lambda flat: dist.all_reduce(flat, group=own, async_op=True), own, False
     if all_reduce == "ring" or all_reduce is ring_all_reduce:
-        return lambda flat: ring_all_reduce(flat, group=group, async_op=True), group
+        # the ring averages as it goes (each rank divides its reduced chunk): no pass after
+        reduce = lambda flat: ring_all_reduce(flat, op="avg", group=group, async_op=True)  # noqa: E731
+        return reduce, group, True
     if callable(all_reduce):
-        return lambda flat: all_reduce(flat, async_op=True), group
+        return lambda flat: all_reduce(flat, async_op=True), group, False
     raise ValueError(
         f"all_reduce must be None (the built-in), 'ring', or a function "
         f"fn(tensor, async_op=True) that sums in place; got {all_reduce!r}"
@@ -119,11 +124,12 @@ class _DataParallel(torch.nn.Module):
         # gradients become ready from the last layer to the first
         self._order = list(reversed(self._params))
         self._index = {id(p): i for i, p in enumerate(self._order)}
-        self._reduce, self._comm_group = _resolve_all_reduce(all_reduce, group)
+        self._reduce, self._comm_group, self._averages = _resolve_all_reduce(all_reduce, group)
         self._check_same_model()
         self._broadcast_from_rank0()
         self.buckets = self._make_buckets(bucket_mb)
         self._bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
+        self._flats: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
         previous = getattr(module, "_overlapkit_ddp", None)
         if previous is not None and previous() is not None:
@@ -241,14 +247,28 @@ class _DataParallel(torch.nn.Module):
             self._launch(self._next)
             self._next += 1
 
+    @torch.no_grad()
     def _launch(self, b: int):
+        """All-reduce bucket ``b``'s flat buffer. Each gradient becomes a view into that
+        buffer (as PyTorch's ``gradient_as_bucket_view``): the next backward, after an
+        in-place ``zero_grad(set_to_none=False)``, accumulates right into it — no copy
+        in — and the average lands in ``.grad`` itself — no copy out."""
         idx = self.buckets[b]
-        grads = []
+        flat = self._flats[b]
+        if flat is None:
+            first = self._order[idx[0]]
+            numel = sum(self._order[i].numel() for i in idx)
+            flat = self._flats[b] = torch.empty(numel, dtype=first.dtype, device=first.device)
+        offset = 0
         for i in idx:
             p = self._order[i]
-            # a parameter unused on this rank contributes zeros (others may have a gradient)
-            grads.append(torch.zeros_like(p).reshape(-1) if p.grad is None else p.grad.reshape(-1))
-        flat = torch.cat(grads) if len(grads) > 1 else grads[0].clone()
+            part = flat[offset : offset + p.numel()]
+            offset += p.numel()
+            if p.grad is None:
+                part.zero_()  # unused on this rank: zeros (other ranks may have a gradient)
+            elif p.grad.data_ptr() != part.data_ptr() or not p.grad.is_contiguous():
+                part.copy_(p.grad.reshape(-1))
+                p.grad = part.view_as(p)
         handle = self._reduce(flat) or _Done()
         if self.timeline is not None:
             handle = self.timeline.track(f"bucket {b}", handle, "comm")
@@ -291,17 +311,19 @@ class _DataParallel(torch.nn.Module):
     @torch.no_grad()
     def _finish(self, b: int, flat: torch.Tensor, handle) -> None:
         handle.wait()
-        flat.div_(self.world)
+        if not self._averages:
+            flat.div_(self.world)
         offset = 0
         for i in self.buckets[b]:
             p = self._order[i]
             part = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
-            if p.grad is not None:
-                p.grad.copy_(part)
-            elif i in self._got or part.any():
-                p.grad = part.clone()
-            # else: no rank had a gradient for it: it stays None, as in one process
+            if p.grad is None:
+                if i in self._got or part.any():
+                    p.grad = part
+                # else: no rank had a gradient for it: it stays None, as in one process
+            elif p.grad.data_ptr() != part.data_ptr():
+                p.grad.copy_(part)  # someone replaced .grad after the launch
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -484,3 +506,65 @@ def profile_backward(module: torch.nn.Module, step, repeats: int = 5) -> Backwar
     # a parameter without a gradient (unused) is ready when backward ends
     ready = [(when.get(id(p), backward), p.numel() * p.element_size()) for p in order]
     return BackwardProfile(forward, backward, ready, [names[id(p)] for p in order])
+
+
+# --------------------------------------------------------------------------- measuring the host
+
+
+def _time_all_reduce(reduce, nbytes: int, reps: int) -> tuple[float, float]:
+    """Median wall time of one synchronous AllReduce of ``nbytes``, and the CPU time (all
+    of this rank's threads) it took."""
+    buf = torch.zeros(max(1, nbytes // 4))
+    samples, cpu = [], []
+    for i in range(reps + 1):
+        dist.barrier()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        reduce(buf).wait()
+        if i:  # the first one warms up
+            samples.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
+    return statistics.median(samples), statistics.median(cpu)
+
+
+def _time_busy(reduce, ops: int, reps: int = 3) -> float:
+    """Seconds per AllReduce for ``ops`` small async AllReduces issued at once while this
+    rank's own thread keeps multiplying matrices, as during backward."""
+    bufs = [torch.zeros(1024) for _ in range(ops)]
+    a, b = torch.randn(128, 512), torch.randn(512, 512)
+    samples = []
+    for i in range(reps + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        handles = [reduce(t) for t in bufs]
+        ends: list[float] = []
+        for h in handles:
+            h.get_future().then(lambda _, into=ends: into.append(time.perf_counter()))
+        while len(ends) < len(handles):
+            a @ b  # noqa: B018 - the rank is busy computing
+        for h in handles:
+            h.wait()
+        if i:
+            samples.append((max(ends) - start) / ops)
+    return statistics.median(samples)
+
+
+def measure_host_cost(nbytes: int, all_reduce="ring", group=None):
+    """What an AllReduce costs this host beyond the link's α-β model, measured on the
+    ranks (call it on every rank): returns (``ok.costmodel.HostCost``, seconds of one
+    AllReduce of ``nbytes``). ``all_reduce`` as for the wrappers ("ring": the kit's ring
+    over the current link; None: the built-in, with α = β = 0 as its model)."""
+    reduce = _resolve_all_reduce(all_reduce, group)[0]
+    world = dist.get_world_size(group)
+    link = p2p.current_link() if all_reduce == "ring" or all_reduce is ring_all_reduce else None
+    alpha, beta = (link.alpha, link.beta) if link is not None else (0.0, 0.0)
+    full, full_cpu = _time_all_reduce(reduce, nbytes, reps=5)
+    small, small_cpu = _time_all_reduce(reduce, 4096, reps=15)
+    busy = _time_busy(reduce, ops=16)
+    model_small = costmodel.ring_all_reduce(4096, world, alpha, beta)
+    host = costmodel.HostCost(
+        per_op=max(0.0, small - model_small),
+        per_op_busy=max(0.0, busy - model_small),
+        cpu_per_op=small_cpu,
+        cpu_per_byte=max(0.0, full_cpu - small_cpu) / max(1, nbytes - 4096),
+    )
+    return host, full

@@ -30,12 +30,12 @@ def draw_step(ax, prediction: dict, title: str = "") -> None:
     ax.set_title(title, fontsize=9)
 
 
-def bucket_explorer(profile, world: int = 2, per_op: float = 0.0, comm_cpu: float = 0.0,
-                    measure=None, bucket_mb: float = 1.0, bandwidth_gbps: float = 0.25,
-                    latency_us: float = 100.0):  # fmt: skip
+def bucket_explorer(profile, world: int = 2, host=None, measure=None, bucket_mb: float = 1.0,
+                    bandwidth_gbps: float = 0.25, latency_us: float = 100.0):  # fmt: skip
     """An ipywidgets explorer of ``ok.costmodel.ddp_step`` for a measured
-    ``ok.profile_backward`` result. ``measure(bucket_mb, link) -> seconds`` (optional)
-    runs the chosen point for real when the button is pressed."""
+    ``ok.profile_backward`` result and host cost (``ok.costmodel.HostCost``, e.g. from
+    ``ok.measure_host_cost``). ``measure(bucket_mb, link) -> seconds`` (optional) runs
+    the chosen point for real when the button is pressed."""
     import ipywidgets as w  # noqa: PLC0415 - only needed in a notebook
     from IPython.display import display  # noqa: PLC0415
     from matplotlib.figure import Figure  # noqa: PLC0415 - not pyplot: no stray display
@@ -58,9 +58,9 @@ def bucket_explorer(profile, world: int = 2, per_op: float = 0.0, comm_cpu: floa
     def predict():
         alpha, beta = latency.value * 1e-6, 1 / (bandwidth.value * 1e9)
         args = (profile.ready, profile.forward, profile.backward, world, alpha, beta)
-        bucketed = costmodel.ddp_step(*args, "bucketed", bucket.value, per_op, comm_cpu)
-        naive = costmodel.ddp_step(*args, "naive", None, per_op, comm_cpu)
-        best = costmodel.best_bucket_mb(*args, per_op, comm_cpu)
+        bucketed = costmodel.ddp_step(*args, "bucketed", bucket.value, host=host)
+        naive = costmodel.ddp_step(*args, "naive", None, host=host)
+        best = costmodel.best_bucket_mb(*args, host=host)
         return bucketed, naive, best
 
     def redraw(_=None):

@@ -132,8 +132,27 @@ def test_a_per_message_cost_makes_tiny_buckets_slow_and_picks_a_middle_size():
 
 
 def test_communication_cpu_stretches_an_overlapped_backward_not_a_naive_one():
-    base = cm.ddp_step(READY, 0, 8e-3, 2, ALPHA, BETA, "bucketed", 2)
-    cpu = cm.ddp_step(READY, 0, 8e-3, 2, ALPHA, BETA, "bucketed", 2, comm_cpu=4e-3)
-    assert cpu["spans"][0][0] == pytest.approx(base["spans"][0][0] * 1.5)
-    naive = cm.ddp_step(READY, 0, 8e-3, 2, ALPHA, BETA, "naive", comm_cpu=4e-3)
+    fast = BETA / 10  # the link keeps up: each bucket's AllReduce starts when it is full
+    base = cm.ddp_step(READY, 0, 8e-3, 2, ALPHA, fast, "bucketed", 2)
+    host = cm.HostCost(cpu_per_op=1e-3)  # 4 buckets, 3 of them start during backward
+    cpu = cm.ddp_step(READY, 0, 8e-3, 2, ALPHA, fast, "bucketed", 2, host=host)
+    assert cpu["backward"] == pytest.approx(8e-3 + 3e-3)  # the last starts at its end
+    assert cpu["spans"][0][0] == pytest.approx(base["spans"][0][0] * 11 / 8)
+    naive = cm.ddp_step(READY, 0, 8e-3, 2, ALPHA, BETA, "naive", host=host)
     assert naive["backward"] == 8e-3
+
+
+def test_one_bucket_after_backward_takes_nothing_from_it():
+    host = cm.HostCost(cpu_per_op=1e-3, cpu_per_byte=1e-9)
+    one = cm.ddp_step(READY, 0, 8e-3, 2, ALPHA, BETA, "bucketed", None, host=host)
+    assert one["backward"] == 8e-3
+
+
+def test_a_busy_rank_pays_its_per_op_cost_during_backward_only():
+    host = cm.HostCost(per_op=1e-4, per_op_busy=1e-3)
+    got = cm.ddp_step(READY, 0, 8e-3, 2, ALPHA, BETA, "overlap", host=host)
+    one = cm.ring_all_reduce(2**20, 2, ALPHA, BETA)
+    first = got["spans"][0]
+    assert first[1] - first[0] == pytest.approx(1e-3 + one)
+    last = got["spans"][-1]
+    assert last[0] >= 8e-3 and last[1] - last[0] == pytest.approx(1e-4 + one)

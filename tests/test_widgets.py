@@ -13,7 +13,7 @@ class _Profile:
 
 
 def test_moving_the_bucket_slider_changes_the_predicted_step():
-    box = ok.widgets.bucket_explorer(_Profile(), world=2, per_op=2e-4)
+    box = ok.widgets.bucket_explorer(_Profile(), world=2, host=ok.costmodel.HostCost(per_op=2e-4))
     sliders, label = box.children[0].children, box.children[1]
     before = label.value
     sliders[0].value = 8  # bucket MiB: one bucket, launched after backward

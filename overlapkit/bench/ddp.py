@@ -5,7 +5,8 @@ same machine: it sizes a stack of ``layers`` Linear+ReLU layers' batch so that
 backward takes about as long as one AllReduce of all its gradients (what makes
 overlap matter), measures when each gradient becomes ready
 (``ok.profile_backward``) and what one AllReduce costs beyond the α-β model
-(``per_op``), then runs the configurations interleaved, ``reps`` rounds after
+(``ok.costmodel.HostCost``: wall time idle and while the rank computes, and
+CPU time), then runs the configurations interleaved, ``reps`` rounds after
 ``warmup`` rounds:
 
 * ``naive``, ``overlap``: ``ok.NaiveDDP``, ``ok.OverlapDDP``;
@@ -19,7 +20,7 @@ Columns: step_ms (median over rounds of the slowest rank's step: forward,
 backward, synchronisation, optimizer), comm_ms (time with an AllReduce in flight),
 hidden (share of that time under forward/backward compute), overlap (the lecture
 notes' ratio (T_comp + T_comm − T_wall)/T_comm), predicted_ms
-(``ok.costmodel.ddp_step`` from the profile, the link and per_op, plus the measured
+(``ok.costmodel.ddp_step`` from the profile, the link and the host cost, plus the measured
 optimizer step) and its error, x_naive (step ÷ NaiveDDP's step) and x_torch (step ÷
 PyTorch DDP's at the same cap). PyTorch's hidden share is not shown: its backward
 returns only after its reducer has waited for every bucket, so its compute cannot
@@ -40,17 +41,16 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from .. import costmodel, ddp, p2p, runtime
-from ..collectives import ring_all_reduce
 from ..launcher import launch
 from ..timeline import COMM, COMPUTE, Timeline
 from .table import format_table, write
 
 
-def make_model(layers: int, width: int) -> torch.nn.Module:
+def make_model(layers: int, width: int, bias: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     mods = []
     for _ in range(layers):
-        mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+        mods += [torch.nn.Linear(width, width, bias=bias), torch.nn.ReLU()]
     return torch.nn.Sequential(*mods)
 
 
@@ -59,39 +59,27 @@ def _reducer(link):
     return "ring" if link is not None else None
 
 
-def _time_all_reduce(nbytes: int, link, reps: int = 5) -> tuple[float, float]:
-    """Median wall time of one AllReduce of ``nbytes``, and the CPU time (all of this
-    rank's threads) it took."""
-    buf = torch.zeros(max(1, nbytes // 4))
-    samples, cpu = [], []
-    for i in range(reps + 1):
-        dist.barrier()
-        start, start_cpu = time.perf_counter(), time.process_time()
-        if link is not None:
-            ring_all_reduce(buf)
-        else:
-            dist.all_reduce(buf)
-        if i:
-            samples.append(time.perf_counter() - start)
-            cpu.append(time.process_time() - start_cpu)
-    return statistics.median(samples), statistics.median(cpu)
-
-
-def _calibrate(model, width: int, link, batch: int | None):
-    """Pick the batch so that backward ≈ one AllReduce of every gradient; returns
-    (batch, full AllReduce time, small AllReduce time, CPU time of the full one)."""
+def _calibrate(model_fn, width: int, link, batch: int | None, ratio: float):
+    """Size the batch so that backward takes ``ratio`` × one AllReduce of
+    every gradient, and measure what an AllReduce costs this host (wall and CPU, idle
+    and busy): returns (batch, full AllReduce seconds, HostCost)."""
+    model = model_fn()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    full, full_cpu = _time_all_reduce(nbytes, link)
-    small, _ = _time_all_reduce(4096, link, reps=9)
+    host, full = ddp.measure_host_cost(nbytes, _reducer(link))
     if batch is None:
-        probe = 64
-        x = torch.randn(probe, width)
-        prof = ddp.profile_backward(model, lambda m: m(x).square().mean(), repeats=3)
-        per_sample = prof.backward / probe
-        wanted = torch.tensor([max(8, round(full / per_sample))], dtype=torch.float64)
-        dist.broadcast(wanted, src=0)  # every rank trains on the same batch size
-        batch = int(wanted.item())
-    return batch, full, small, full_cpu
+        batch = 64
+        for _ in range(2):  # backward is not quite linear in the batch: correct once
+            x = torch.randn(batch, width)
+            prof = ddp.profile_backward(model, lambda m, x=x: m(x).square().mean(), repeats=3)
+            wanted = batch * ratio * full / prof.backward
+            agreed = torch.tensor([max(8.0, wanted)], dtype=torch.float64)
+            dist.broadcast(agreed, src=0)  # every rank trains on the same batch size
+            batch = round(agreed.item())
+    return batch, full, host
+
+
+#: "an AllReduce about as long as backward": backward takes this many AllReduce times
+BACKWARD_PER_ALL_REDUCE = 1.0
 
 
 class _Progress:
@@ -114,8 +102,8 @@ def _configs(bucket_sweep, torch_ddp: bool):
     return configs
 
 
-def _build(kind, mb, layers, width, link, timeline):
-    model = make_model(layers, width)
+def _build(kind, mb, spec, link, timeline):
+    model = make_model(*spec)
     reducer = _reducer(link)
     if kind == "naive":
         return ddp.NaiveDDP(model, all_reduce=reducer, timeline=timeline)
@@ -129,14 +117,15 @@ def _build(kind, mb, layers, width, link, timeline):
     return wrapped
 
 
-def _rank_bench(layers, width, bucket_sweep, reps, warmup, batch, torch_ddp, progress_path):
+def _rank_bench(spec, bucket_sweep, reps, warmup, batch, ratio, torch_ddp, progress_path):
+    layers, width, _ = spec
     link = p2p.current_link()
     world = runtime.world_size()
     progress = _Progress(progress_path)
-    batch, full, small, full_cpu = _calibrate(make_model(layers, width), width, link, batch)
+    batch, full, host = _calibrate(lambda: make_model(*spec), width, link, batch, ratio)
     gen = torch.Generator().manual_seed(runtime.rank())
     x, y = torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen)
-    model = make_model(layers, width)
+    model = make_model(*spec)
     profile = ddp.profile_backward(model, lambda m: torch.nn.functional.mse_loss(m(x), y))
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     for p in model.parameters():
@@ -149,7 +138,7 @@ def _rank_bench(layers, width, bucket_sweep, reps, warmup, batch, torch_ddp, pro
         opt_samples.append(time.perf_counter() - start)
     configs = _configs(bucket_sweep, torch_ddp)
     timelines = {c: Timeline() for c in configs}
-    wrappers = {c: _build(*c, layers, width, link, timelines[c]) for c in configs}
+    wrappers = {c: _build(*c, spec, link, timelines[c]) for c in configs}
     optimizers = {c: torch.optim.SGD(w.parameters(), lr=1e-4) for c, w in wrappers.items()}
     steps = {c: [] for c in configs}
     marks = torch.zeros(2, dtype=torch.float64)
@@ -202,8 +191,7 @@ def _rank_bench(layers, width, bucket_sweep, reps, warmup, batch, torch_ddp, pro
         "profile": profile,
         "optimizer": statistics.median(opt_samples),
         "full": full,
-        "small": small,
-        "comm_cpu": full_cpu,
+        "host": host,
     }
 
 
@@ -226,27 +214,27 @@ def _follow(path: str, bar: tqdm, stop: threading.Event) -> None:
 
 
 def _model_terms(result, link):
-    """α, β and per-op cost for the prediction: the link's own α and β plus what one small
-    AllReduce costs beyond them; without a link, fitted from the small and the full one."""
-    world, small, full = result["world"], result["small"], result["full"]
-    total = result["profile"].total_bytes
+    """α and β for the prediction: the link's own; without a link, β from the full
+    AllReduce (what is left after the host's per-operation cost)."""
     if link is not None:
-        per_op = max(0.0, small - costmodel.ring_all_reduce(4096, world, link.alpha, link.beta))
-        return link.alpha, link.beta, per_op
+        return link.alpha, link.beta
+    world, full, host = result["world"], result["full"], result["host"]
     factor = costmodel.BUSBW_FACTOR["all_reduce"](world)
-    beta = max(0.0, full - small) / (factor * max(1, total - 4096))
-    return 0.0, beta, small
+    total = result["profile"].total_bytes
+    return 0.0, max(0.0, full - host.per_op) / (factor * total)
 
 
 def run(
-    layers: int = 16,
-    width: int = 256,
+    layers: int = 8,
+    width: int = 512,
+    bias: bool = False,
     world: int = 2,
     link=None,
     bucket_sweep=costmodel.BUCKET_SWEEP_MB,
-    reps: int = 5,
+    reps: int = 10,
     warmup: int = 2,
     batch: int | None = None,
+    backward_ratio: float = BACKWARD_PER_ALL_REDUCE,
     torch_ddp: bool = True,
     csv_path=None,
     json_path=None,
@@ -264,27 +252,33 @@ def run(
         follower.start()
         try:
             result = launch(
-                _rank_bench, layers, width, list(bucket_sweep), reps, warmup, batch, torch_ddp,
-                progress.name, world_size=world, link=link, quiet=True, timeout=1800,
+                _rank_bench, (layers, width, bias), list(bucket_sweep), reps, warmup, batch,
+                backward_ratio, torch_ddp, progress.name, world_size=world, link=link,
+                quiet=True, timeout=1800,
             )[0]  # fmt: skip
         finally:
             stop.set()
             follower.join()
             os.unlink(progress.name)
     profile = result["profile"]
-    alpha, beta, per_op = _model_terms(result, link)
-    comm_cpu = result["comm_cpu"]
+    alpha, beta = _model_terms(result, link)
+    host = result["host"]
     print(
-        f"model: {layers} × Linear({width}, {width}) + ReLU, {profile.total_bytes / 2**20:.2f} MiB "
+        f"model: {layers} × Linear({width}, {width}{'' if bias else ', bias=False'}) + ReLU, "
+        f"{profile.total_bytes / 2**20:.2f} MiB "
         f"of gradients, batch {result['batch']} per rank, {world} ranks, "
         f"{'the kit ring over ' + str(link) if link else 'gloo built-in AllReduce, no link'}"
     )
     print(
         f"measured once: forward {profile.forward * 1e3:.2f} ms, backward "
         f"{profile.backward * 1e3:.2f} ms, optimizer {result['optimizer'] * 1e3:.2f} ms, one "
-        f"AllReduce of all gradients {result['full'] * 1e3:.2f} ms, of 4 KiB "
-        f"{result['small'] * 1e3:.3f} ms (per_op = {per_op * 1e3:.3f} ms beyond α-β); the "
-        f"full one takes {comm_cpu * 1e3:.2f} ms of CPU, which overlapped backward shares"
+        f"AllReduce of all gradients {result['full'] * 1e3:.2f} ms"
+    )
+    print(
+        f"host cost per AllReduce beyond α-β: {host.per_op * 1e3:.3f} ms idle, "
+        f"{host.per_op_busy * 1e3:.3f} ms while the rank computes; CPU "
+        f"{host.cpu_per_op * 1e3:.3f} ms + {host.cpu_per_byte * 2**20 * 1e3:.3f} ms/MiB "
+        "(taken from an overlapped backward: each rank has about one core)"
     )
     naive_step = next(r["step"] for r in result["rows"] if r["config"][0] == "naive")
     torch_step = {r["config"][1]: r["step"] for r in result["rows"] if r["config"][0] == "torch"}
@@ -293,7 +287,7 @@ def run(
         kind, mb = r["config"]
         strategy = "bucketed" if kind == "torch" else kind
         model = costmodel.ddp_step(profile.ready, profile.forward, profile.backward, world,
-                                   alpha, beta, strategy, mb, per_op, comm_cpu)  # fmt: skip
+                                   alpha, beta, strategy, mb, host=host)  # fmt: skip
         predicted = model["step"] + result["optimizer"]
         rows.append(
             {
@@ -315,16 +309,28 @@ def run(
     best = min(ours, key=lambda r: r["step_ms"])
     bucketed = [r for r in rows if r["config"] == "bucketed"]
     predicted_best = costmodel.best_bucket_mb(profile.ready, profile.forward, profile.backward,
-                                              world, alpha, beta, per_op, comm_cpu,
-                                              bucket_sweep)  # fmt: skip
+                                              world, alpha, beta, host=host,
+                                              candidates=bucket_sweep)  # fmt: skip
     if bucketed:
         measured_best = min(bucketed, key=lambda r: r["step_ms"])
-        sweep = list(bucket_sweep)
-        apart = abs(sweep.index(measured_best["bucket_mb"]) - sweep.index(predicted_best))
+        # sizes that cut the gradients into the same buckets are one point of the sweep
+        sizes = [nbytes for _, nbytes in profile.ready]
+        points: list = []
+        for mb in bucket_sweep:
+            cut = costmodel.ddp_buckets(sizes, mb)
+            if not points or points[-1][1] != cut:
+                points.append(([mb], cut))
+            else:
+                points[-1][0].append(mb)
+        where = {mb: k for k, (mbs, _) in enumerate(points) for mb in mbs}
+        apart = abs(where[measured_best["bucket_mb"]] - where[predicted_best])
+        same = [f"{'/'.join(f'{m:g}' for m in mbs)}" for mbs, _ in points if len(mbs) > 1]
         print(
             f"best bucket size: measured {measured_best['bucket_mb']:g} MiB "
             f"({measured_best['step_ms']:.1f} ms), predicted {predicted_best:g} MiB "
-            f"({apart} sweep point{'s' if apart != 1 else ''} apart)"
+            f"({apart} sweep point{'s' if apart != 1 else ''} apart"
+            + (f"; {', '.join(same)} MiB make the same buckets: one point" if same else "")
+            + ")"
         )
     label = best["config"] + (f" {best['bucket_mb']:g} MiB" if best["config"] == "bucketed" else "")
     print(
@@ -333,7 +339,7 @@ def run(
     )
     meta = {"bench": "ddp", "layers": layers, "width": width, "world": world,
             "link": str(link) if link else None, "batch": result["batch"], "reps": reps,
-            "alpha": alpha, "beta": beta, "per_op": per_op, "comm_cpu": comm_cpu,
+            "alpha": alpha, "beta": beta, "host": vars(host),
             "predicted_best_bucket_mb": predicted_best}  # fmt: skip
     write(rows, csv_path, json_path, meta=meta)
     return rows
