@@ -43,7 +43,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import costmodel, p2p
+from . import costmodel, p2p, runtime
 from .collectives import buckets_by_size, ring_all_reduce
 
 __all__ = [
@@ -488,10 +488,13 @@ def profile_backward(module: torch.nn.Module, step, repeats: int = 5) -> Backwar
             for p in params
         ]
         try:
+            _sync(params[0])
             t0 = time.perf_counter()
             loss = step(module)
+            _sync(params[0])
             t1 = time.perf_counter()
             loss.backward()
+            _sync(params[0])  # on CUDA, ready times are when the host saw each hook
             t2 = time.perf_counter()
         finally:
             for h in hooks:
@@ -511,15 +514,22 @@ def profile_backward(module: torch.nn.Module, step, repeats: int = 5) -> Backwar
 # --------------------------------------------------------------------------- measuring the host
 
 
+def _sync(like: torch.Tensor) -> None:
+    if like.device.type == "cuda":
+        torch.cuda.synchronize(like.device)
+
+
 def _time_all_reduce(reduce, nbytes: int, reps: int) -> tuple[float, float]:
     """Median wall time of one synchronous AllReduce of ``nbytes``, and the CPU time (all
     of this rank's threads) it took."""
-    buf = torch.zeros(max(1, nbytes // 4))
+    buf = torch.zeros(max(1, nbytes // 4), device=runtime.device())
     samples, cpu = [], []
     for i in range(reps + 1):
+        _sync(buf)
         dist.barrier()
         start, start_cpu = time.perf_counter(), time.process_time()
         reduce(buf).wait()
+        _sync(buf)
         if i:  # the first one warms up
             samples.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)
@@ -529,7 +539,7 @@ def _time_all_reduce(reduce, nbytes: int, reps: int) -> tuple[float, float]:
 def _time_busy(reduce, ops: int, reps: int = 3) -> float:
     """Seconds per AllReduce for ``ops`` small async AllReduces issued at once while this
     rank's own thread keeps multiplying matrices, as during backward."""
-    bufs = [torch.zeros(1024) for _ in range(ops)]
+    bufs = [torch.zeros(1024, device=runtime.device()) for _ in range(ops)]
     a, b = torch.randn(128, 512), torch.randn(512, 512)
     samples = []
     for i in range(reps + 1):

@@ -143,3 +143,20 @@ def test_bench_collectives_reports_busbw_ratios_and_model_columns(tmp_path):
         # the emulated link is a lower bound on the ring: 2(N−1)·(α + S/N·β)
         assert r["bound_ms"] == pytest.approx(4 * (100e-6 + 2**20 / 3 / 0.2e9) * 1e3)
         assert 0 < r["efficiency"] <= 1.0 and r["model_ms"] > 0
+
+
+def test_bench_ddp_compares_the_wrappers_with_torch_ddp_and_names_the_best(tmp_path):
+    out_json = tmp_path / "ddp.json"
+    out = run("-m", "overlapkit", "bench", "ddp", "--layers", "3", "--width", "64", "--batch",
+              "16", "--buckets", "0.01,1", "--reps", "2", "--warmup", "1", "--link", "50,1",
+              "--json", str(out_json))  # fmt: skip
+    data = json.loads(out_json.read_text())
+    configs = [(r["config"], r["bucket_mb"]) for r in data["rows"]]
+    assert [c for c, _ in configs[:2]] == ["naive", "overlap"]
+    assert [c for c in configs if c[0] == "bucketed"] == [("bucketed", 0.01), ("bucketed", 1)]
+    assert [c for c in configs if c[0] == "torch"] == [("torch", 0.01), ("torch", 1)]
+    for r in data["rows"]:
+        assert r["step_ms"] > 0 and r["predicted_ms"] > 0
+        assert r["x_naive"] == pytest.approx(r["step_ms"] / data["rows"][0]["step_ms"])
+    assert data["meta"]["link"] == "Link(50 µs, 1 GB/s)" and data["meta"]["batch"] == 16
+    assert "best bucket size: measured" in out and "best configuration:" in out

@@ -263,3 +263,60 @@ def test_the_wrapper_records_forward_backward_and_one_comm_span_per_bucket():
     # the first bucket starts during backward: that is the overlap
     assert backward[0].start < comm[0].start < backward[0].end
     assert tl.hidden_fraction() > 0
+
+
+# --------------------------------------------------------------------------- CUDA (gpu)
+
+
+def _cuda_wrappers():
+    """Each wrapper on the rank's GPU (NCCL for the built-in, the kit's ring with CUDA
+    streams and events), and PyTorch's DDP with the kit's comm hook, against one process."""
+    me, world = ok.rank(), ok.world_size()
+    device = ok.device()
+    want = {k: v.to(device) for k, v in _accumulate_reference(world).items()}
+    worst = {}
+    for name, kwargs in [("NaiveDDP", {}), ("OverlapDDP", {"all_reduce": "ring"}),
+                         ("BucketedDDP", {"bucket_mb": 0.0005}),
+                         ("BucketedDDP", {"bucket_mb": 0.0005, "all_reduce": "ring"})]:  # fmt: skip
+        wrapper = getattr(ok, name)(_mlp().to(device), **kwargs)
+        opt = torch.optim.SGD(wrapper.parameters(), lr=0.1, momentum=0.9)
+        sl = slice(me * PER_RANK, (me + 1) * PER_RANK)
+        for x, y in _batches(world):
+            x, y = x.to(device), y.to(device)
+            torch.nn.functional.mse_loss(wrapper(x[sl]), y[sl]).backward()
+            wrapper.finish_gradient_synchronization()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        got = wrapper.module.state_dict()
+        worst[f"{name}{kwargs}"] = max((got[k] - want[k]).abs().max().item() for k in want)
+    ids = [device] if device.type == "cuda" else None
+    torch_ddp = torch.nn.parallel.DistributedDataParallel(_mlp().to(device), device_ids=ids)
+    torch_ddp.register_comm_hook(None, ok.ddp_comm_hook())
+    opt = torch.optim.SGD(torch_ddp.parameters(), lr=0.1, momentum=0.9)
+    sl = slice(me * PER_RANK, (me + 1) * PER_RANK)
+    for x, y in _batches(world):
+        x, y = x.to(device), y.to(device)
+        torch.nn.functional.mse_loss(torch_ddp(x[sl]), y[sl]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    got = torch_ddp.module.state_dict()
+    worst["torch DDP + kit hook"] = max((got[k] - want[k]).abs().max().item() for k in want)
+    return worst
+
+
+def _accumulate_reference(world):
+    reference = _mlp()
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for x, y in _batches(world):
+        torch.nn.functional.mse_loss(reference(x), y).backward()
+        plain.step()
+        plain.zero_grad()
+    return reference.state_dict()
+
+
+@pytest.mark.gpu
+def test_on_cuda_every_wrapper_and_torch_ddp_with_the_kit_hook_train_like_one_process():
+    world = 2 if torch.cuda.device_count() >= 2 else 1  # one GPU: the single-rank path
+    for rank, worst in enumerate(ok.launch(_cuda_wrappers, world_size=world, timeout=300)):
+        for config, diff in worst.items():
+            assert diff < 1e-4, f"rank {rank}, {config}: max |Δweight| = {diff}"

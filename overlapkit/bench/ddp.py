@@ -69,7 +69,7 @@ def _calibrate(model_fn, width: int, link, batch: int | None, ratio: float):
     if batch is None:
         batch = 64
         for _ in range(2):  # backward is not quite linear in the batch: correct once
-            x = torch.randn(batch, width)
+            x = torch.randn(batch, width, device=runtime.device())
             prof = ddp.profile_backward(model, lambda m, x=x: m(x).square().mean(), repeats=3)
             wanted = batch * ratio * full / prof.backward
             agreed = torch.tensor([max(8.0, wanted)], dtype=torch.float64)
@@ -102,8 +102,13 @@ def _configs(bucket_sweep, torch_ddp: bool):
     return configs
 
 
+def _sync() -> None:
+    if runtime.device().type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _build(kind, mb, spec, link, timeline):
-    model = make_model(*spec)
+    model = make_model(*spec).to(runtime.device())
     reducer = _reducer(link)
     if kind == "naive":
         return ddp.NaiveDDP(model, all_reduce=reducer, timeline=timeline)
@@ -122,10 +127,12 @@ def _rank_bench(spec, bucket_sweep, reps, warmup, batch, ratio, torch_ddp, progr
     link = p2p.current_link()
     world = runtime.world_size()
     progress = _Progress(progress_path)
-    batch, full, host = _calibrate(lambda: make_model(*spec), width, link, batch, ratio)
+    dev = runtime.device()
+    batch, full, host = _calibrate(lambda: make_model(*spec).to(dev), width, link, batch, ratio)
     gen = torch.Generator().manual_seed(runtime.rank())
     x, y = torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen)
-    model = make_model(*spec)
+    x, y = x.to(dev), y.to(dev)
+    model = make_model(*spec).to(dev)
     profile = ddp.profile_backward(model, lambda m: torch.nn.functional.mse_loss(m(x), y))
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     for p in model.parameters():
@@ -135,32 +142,34 @@ def _rank_bench(spec, bucket_sweep, reps, warmup, batch, ratio, torch_ddp, progr
         start = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=False)
+        _sync()
         opt_samples.append(time.perf_counter() - start)
     configs = _configs(bucket_sweep, torch_ddp)
     timelines = {c: Timeline() for c in configs}
     wrappers = {c: _build(*c, spec, link, timelines[c]) for c in configs}
     optimizers = {c: torch.optim.SGD(w.parameters(), lr=1e-4) for c, w in wrappers.items()}
     steps = {c: [] for c in configs}
-    marks = torch.zeros(2, dtype=torch.float64)
+    marks = torch.zeros(2, dtype=torch.float64, device=dev)
     shared_clock = "OVERLAPKIT_RANK" in os.environ
     last_round = {}
     for i in range(warmup + reps):
         for c in configs:
             w, opt = wrappers[c], optimizers[c]
             tl = timelines[c]
+            _sync()
             dist.barrier()
             n_before = len(tl.spans)
             start = time.perf_counter()
             loss = torch.nn.functional.mse_loss(w(x), y)
             if c[0] == "torch":
-                b0 = time.perf_counter()
+                tl.add("forward", start, time.perf_counter(), COMPUTE)
                 loss.backward()  # PyTorch's reducer waits for its buckets inside backward
-                tl.add("forward+backward", start, b0, COMPUTE)
             else:
                 loss.backward()
                 w.finish_gradient_synchronization()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            _sync()
             end = time.perf_counter()
             marks[0], marks[1] = (start, end) if shared_clock else (0.0, end - start)
             dist.all_reduce(marks, op=dist.ReduceOp.MAX)
