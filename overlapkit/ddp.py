@@ -271,7 +271,9 @@ class _DataParallel(torch.nn.Module):
                 p.grad = part.view_as(p)
         handle = self._reduce(flat) or _Done()
         if self.timeline is not None:
-            handle = self.timeline.track(f"bucket {b}", handle, "comm")
+            # a bucket of one gradient is named after its parameter
+            name = self._names[idx[0]] if len(idx) == 1 else f"bucket {b}"
+            handle = self.timeline.track(name, handle, "comm")
         self._inflight.append((b, flat, handle))
         return handle
 

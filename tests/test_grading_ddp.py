@@ -29,8 +29,13 @@ class HookDDP(torch.nn.Module):
     def _on_grad_ready(self, p):
         if self.mistake == "after_backward":
             return
+        if self.mistake == "builtin":
+            self.pending.append((p, dist.all_reduce(p.grad, async_op=True)))
+            return
         sync = self.mistake == "sync"
         handle = ok.ring_all_reduce(p.grad, async_op=not sync)
+        if self.mistake == "divide_before_wait":
+            p.grad /= ok.world_size()  # races with the ring still reading and writing it
         self.pending.append((p, handle))
 
     def finish_gradient_synchronization(self):
@@ -43,7 +48,7 @@ class HookDDP(torch.nn.Module):
         for p, handle in self.pending:
             if self.mistake != "no_wait" and handle is not None:
                 handle.wait()
-            if self.mistake != "sum":
+            if self.mistake not in ("sum", "divide_before_wait"):
                 p.grad /= ok.world_size()
         if self.mistake != "keep_pending":
             self.pending.clear()
@@ -87,6 +92,23 @@ def test_hook_ddp_missing_wait_is_named():
     report = ok.grading.check_hook_ddp(_variant("no_wait"))
     assert not report.all_passed
     assert "never waited" in _lines(report) or "not all-reduced" in _lines(report)
+
+
+def test_hook_ddp_builtin_all_reduce_is_named_not_mistaken_for_naive():
+    report = ok.grading.check_hook_ddp(_variant("builtin"))
+    assert "called torch.distributed.all_reduce" in _lines(report)
+    assert "NaiveDDP" not in _lines(report)
+
+
+def test_a_gradient_whose_elements_disagree_by_different_factors_is_called_a_race():
+    from overlapkit.grading.ddp import _hint
+
+    right = torch.ones(4)
+    got = torch.tensor([1.0, 1.0, 2.0, 0.5])  # some pieces reduced, some not: a race
+    res = {"trace": [({}, {}, {"w": right}, {"w": got})], "names": ["w"], "buckets": None,
+           "events": [{"calls": [(4, True)]}], "unwaited": []}  # fmt: skip
+    hint = _hint([(res, None)], 0, 0, "w", 2, 2)
+    assert "while its AllReduce was still running" in hint
 
 
 # ----------------------------------------------------------------------------- lab 07
@@ -139,8 +161,8 @@ def test_assign_buckets_megabytes_instead_of_mebibytes_is_named():
         return buckets
 
     lines = _lines(ok.grading.check_assign_buckets(decimal))
-    assert "✘" not in lines or "too early" in lines or "expected" in lines
-    assert not ok.grading.check_assign_buckets(decimal).all_passed
+    assert "1 020 000 bytes in a 1 MiB bucket, bucket_mb=1" in lines
+    assert "Are these buckets of 1 × 10**6 bytes? bucket_mb counts MiB" in lines
 
 
 def test_assign_buckets_empty_first_bucket_for_a_big_gradient_is_named():
@@ -156,7 +178,22 @@ def test_assign_buckets_empty_first_bucket_for_a_big_gradient_is_named():
         return buckets + [current]
 
     lines = _lines(ok.grading.check_assign_buckets(empty_first))
-    assert "got [[], [0]" in lines or "got [[]" in lines
+    assert "Bucket 0 is empty" in lines and "(≤, not <)" not in lines
+
+
+def test_assign_buckets_none_as_a_default_size_is_named():
+    def default_25(sizes, bucket_mb):
+        return assign_buckets(sizes, 25 if bucket_mb is None else bucket_mb)
+
+    assert "bucket_mb=None means no limit" in _lines(ok.grading.check_assign_buckets(default_25))
+
+
+def test_assign_buckets_a_flat_list_is_a_clear_failure_not_a_crash():
+    def flat_for_none(sizes, bucket_mb):
+        return list(range(len(sizes))) if bucket_mb is None else assign_buckets(sizes, bucket_mb)
+
+    lines = _lines(ok.grading.check_assign_buckets(flat_for_none))
+    assert "Return a list of buckets" in lines and "whose items are ints" in lines
 
 
 def test_assign_buckets_sorted_by_size_is_named():
@@ -182,7 +219,8 @@ class BucketDDP(torch.nn.Module):
         params = [p for p in module.parameters() if p.requires_grad]
         self.order = list(reversed(params))
         sizes = [p.numel() * p.element_size() for p in self.order]
-        self.buckets = assign_buckets(sizes, bucket_mb)
+        bucketer = strict_buckets if self.mistake == "strict_buckets" else assign_buckets
+        self.buckets = bucketer(sizes, bucket_mb)
         self.bucket_of = {id(self.order[i]): b for b, idx in enumerate(self.buckets) for i in idx}
         self.missing = [len(b) for b in self.buckets]
         self.next, self.pending = 0, []
@@ -203,6 +241,15 @@ class BucketDDP(torch.nn.Module):
             flat = p.grad.reshape(-1).clone()
             self.pending.append((None, (p, flat), ok.ring_all_reduce(flat, async_op=True)))
             return
+        if self.mistake == "out_of_order":
+            if self.missing[b] == 0:
+                self._launch(b)
+            return
+        if self.mistake == "if_not_while":
+            if self.next < len(self.buckets) and self.missing[self.next] == 0:
+                self._launch(self.next)
+                self.next += 1
+            return
         while self.next < len(self.buckets) and self.missing[self.next] == 0:
             self._launch(self.next)
             self.next += 1
@@ -221,9 +268,28 @@ class BucketDDP(torch.nn.Module):
                 if self.mistake != "no_copy_back":
                     g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
-        self.pending.clear()
-        self.missing = [len(b) for b in self.buckets]
-        self.next = 0
+        if self.mistake != "keep_pending":
+            self.pending.clear()
+        if self.mistake != "no_reset":
+            self.missing = [len(b) for b in self.buckets]
+            self.next = 0
+
+
+def strict_buckets(sizes, bucket_mb):
+    limit = bucket_mb * 2**20
+    buckets, total = [], 0
+    for i, n in enumerate(sizes):
+        if buckets and total + n < limit:
+            buckets[-1].append(i)
+            total += n
+        else:
+            buckets.append([i])
+            total = n
+    return buckets
+
+
+def _bucket_variant(name):
+    return type(f"BucketDDP_{name}", (BucketDDP,), {"mistake": name})
 
 
 def test_bucketed_ddp_solution_passes():
@@ -240,4 +306,29 @@ def test_bucketed_ddp_result_never_copied_back_is_named():
     report = ok.grading.check_bucketed_ddp(
         type("NoCopy", (BucketDDP,), {"mistake": "no_copy_back"})
     )
-    assert "not all-reduced" in _lines(report)
+    assert "Copy each slice of it back" in _lines(report)
+
+
+def test_bucketed_ddp_if_instead_of_while_is_named():
+    report = ok.grading.check_bucketed_ddp(_bucket_variant("if_not_while"))
+    assert "a while loop, not an if" in _lines(report)
+
+
+def test_bucketed_ddp_buckets_out_of_order_are_named():
+    report = ok.grading.check_bucketed_ddp(_bucket_variant("out_of_order"))
+    assert "out of order" in _lines(report)
+
+
+def test_bucketed_ddp_pending_never_cleared_is_named():
+    report = ok.grading.check_bucketed_ddp(_bucket_variant("keep_pending"))
+    assert "self.pending still held" in _lines(report)
+
+
+def test_bucketed_ddp_state_never_reset_is_named():
+    report = ok.grading.check_bucketed_ddp(_bucket_variant("no_reset"))
+    assert "no AllReduce was issued at all" in _lines(report)
+
+
+def test_bucketed_ddp_wrong_buckets_point_to_assign_buckets():
+    report = ok.grading.check_bucketed_ddp(_bucket_variant("strict_buckets"))
+    assert "check assign_buckets first" in _lines(report)

@@ -46,7 +46,9 @@ def report_failure(report: Report, what: str, exc: BaseException, timeout: float
     """One ✘ line for a launch that failed: unfinished, hung, crashed, or raised."""
     explain = explain or (lambda text: "")
     if isinstance(exc, NotImplementedError):
-        report.fail(f"{what}: not implemented yet (the function still raises NotImplementedError)")
+        frames = re.findall(r", in (\w+)\n", str(exc.__cause__ or ""))
+        where = f"{frames[-1]} still raises" if frames else "the function still raises"
+        report.fail(f"{what}: not implemented yet ({where} NotImplementedError)")
     elif isinstance(exc, LaunchTimeoutError):
         report.fail(f"{what}: did not finish within {timeout:g} s. {exc}{_all_blocked(str(exc))}")
     elif isinstance(exc, LaunchError):

@@ -10,14 +10,12 @@ and — for the bucketed one — one AllReduce per bucket, launched in bucket or
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import handles
 from ..costmodel import ddp_buckets
 from .collectives import CHECK_LINK
-from .common import human_bytes, run_or_report
+from .common import run_or_report
 from .report import Report
 
 STEPS = 5
@@ -26,15 +24,19 @@ TIMEOUT_S = 30.0
 
 
 class _Net(torch.nn.Module):
-    """Four layers, one frozen: 8 trainable tensors of different sizes."""
+    """Four layers, one frozen: 8 trainable tensors of different sizes. ``l3`` is
+    registered before ``l2`` but used after it, so its gradients are ready *before*
+    ``l2``'s although they come later in reverse parameter order: a bucket can be full
+    while an earlier one is not, as in real models whose forward order differs from
+    their definition order."""
 
     def __init__(self):
         super().__init__()
         self.l1 = torch.nn.Linear(6, 32)
+        self.l3 = torch.nn.Linear(32, 16)
         self.l2 = torch.nn.Linear(32, 32)
         self.frozen = torch.nn.Linear(32, 32)
         self.frozen.requires_grad_(False)
-        self.l3 = torch.nn.Linear(32, 16)
         self.l4 = torch.nn.Linear(16, 4)
 
     def forward(self, x):
@@ -63,53 +65,110 @@ def _kit_ops_issued() -> int:
     return _executor(None)._issued
 
 
+class _Calls:
+    """Wraps ``ok.ring_all_reduce`` while the learner's wrapper trains: the elements of
+    each call, in issue order, and whether it was asynchronous."""
+
+    def __init__(self):
+        self.calls: list[tuple[int, bool]] = []
+
+    def __enter__(self):
+        import overlapkit  # noqa: PLC0415
+
+        from .. import collectives  # noqa: PLC0415
+
+        original = overlapkit.ring_all_reduce
+
+        def ring_all_reduce(tensor, *args, **kwargs):
+            self.calls.append((tensor.numel(), bool(kwargs.get("async_op", False))))
+            return original(tensor, *args, **kwargs)
+
+        self._restore = [(m, m.ring_all_reduce) for m in (overlapkit, collectives)]
+        for m, _ in self._restore:
+            m.ring_all_reduce = ring_all_reduce
+        return self
+
+    def __exit__(self, *exc):
+        for m, original in self._restore:
+            m.ring_all_reduce = original
+
+    def take(self) -> list[tuple[int, bool]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
 def _train(wrapper_cls, make_args):
     """Rank body: train with the learner's wrapper and, alongside, the reference."""
     import overlapkit as ok  # noqa: PLC0415
 
     me, world = ok.rank(), ok.world_size()
     handles.take_unwaited()
-    model = wrapper_cls(_net(seed=1 + me), *make_args)  # a different init per rank
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    reference = _net(seed=1)  # rank 0's model: the wrapper broadcasts it
-    plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    names = [n for n, p in reference.named_parameters() if p.requires_grad]
-    trace, events = [], []
-    sl = slice(me * PER_RANK, (me + 1) * PER_RANK)
-    for x, y in _data(world):
-        # reference: the mean over ranks of each rank's mean loss (= the whole batch's)
-        ref_loss = sum(
-            torch.nn.functional.mse_loss(reference(x[r * PER_RANK : (r + 1) * PER_RANK]),
-                                         y[r * PER_RANK : (r + 1) * PER_RANK])
-            for r in range(world)
-        ) / world  # fmt: skip
-        ref_loss.backward()
-        local = {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}
-        plain.step()
-        plain.zero_grad()
-        issued = _kit_ops_issued()
-        loss = torch.nn.functional.mse_loss(model(x[sl]), y[sl])
-        loss.backward()
-        in_backward = _kit_ops_issued() - issued
-        pending = len(handles._unwaited)
-        model.finish_gradient_synchronization()
-        in_finish = _kit_ops_issued() - issued - in_backward
-        grads = {
-            n.removeprefix("module."): None if p.grad is None else p.grad.detach().clone()
-            for n, p in model.named_parameters()
-        }
-        events.append({"in_backward": in_backward, "pending": pending, "in_finish": in_finish})
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        mine = dict(model.named_parameters())
-        got = {n.removeprefix("module."): p.detach().clone() for n, p in mine.items()}
-        want = {n: p.detach().clone() for n, p in reference.named_parameters()}
-        trace.append((got, want, local, grads))
+    with _Calls() as calls:
+        model = wrapper_cls(_net(seed=1 + me), *make_args)  # a different init per rank
+        calls.take()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        reference = _net(seed=1)  # rank 0's model: the wrapper broadcasts it
+        plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        names = [n for n, p in reference.named_parameters() if p.requires_grad]
+        trace, events = [], []
+        sl = slice(me * PER_RANK, (me + 1) * PER_RANK)
+        for x, y in _data(world):
+            # reference: the mean over ranks of each rank's mean loss (= the whole batch's)
+            ref_loss = sum(
+                torch.nn.functional.mse_loss(reference(x[r * PER_RANK : (r + 1) * PER_RANK]),
+                                             y[r * PER_RANK : (r + 1) * PER_RANK])
+                for r in range(world)
+            ) / world  # fmt: skip
+            ref_loss.backward()
+            local = {
+                n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None
+            }
+            plain.step()
+            plain.zero_grad()
+            issued = _kit_ops_issued()
+            loss = torch.nn.functional.mse_loss(model(x[sl]), y[sl])
+            loss.backward()
+            in_backward = _kit_ops_issued() - issued
+            during = calls.take()
+            pending = len(handles._unwaited)
+            model.finish_gradient_synchronization()
+            in_finish = _kit_ops_issued() - issued - in_backward
+            grads = {
+                n.removeprefix("module."): None if p.grad is None else p.grad.detach().clone()
+                for n, p in model.named_parameters()
+            }
+            left = getattr(model, "pending", None)
+            events.append({"in_backward": in_backward, "pending": pending,
+                           "in_finish": in_finish, "calls": during + calls.take(),
+                           "left": len(left) if isinstance(left, list) else 0})  # fmt: skip
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            mine = dict(model.named_parameters())
+            got = {n.removeprefix("module."): p.detach().clone() for n, p in mine.items()}
+            want = {n: p.detach().clone() for n, p in reference.named_parameters()}
+            trace.append((got, want, local, grads))
     unwaited = handles.take_unwaited()
-    return {"trace": trace, "events": events, "unwaited": unwaited, "names": names}
+    buckets = getattr(model, "buckets", None)
+    buckets = [list(b) for b in buckets] if isinstance(buckets, (list, tuple)) else None
+    return {"trace": trace, "events": events, "unwaited": unwaited, "names": names,
+            "buckets": buckets}  # fmt: skip
 
 
-def _compare(report: Report, results, world: int) -> bool:
+def _builtins(results) -> str | None:
+    """The built-in collectives a rank called (the given constructor's broadcast aside)."""
+    for rank, (_, traffic) in enumerate(results):
+        called = sorted({c for c in traffic.collectives if not c.startswith("ok.")} - {"broadcast"})
+        if called:
+            return (
+                f"rank {rank} called torch.distributed.{', torch.distributed.'.join(called)}: use "
+                "ok.ring_all_reduce(..., async_op=True). The built-in's bytes bypass the emulated "
+                "link, so the overlap you will measure would not be there (and this check cannot "
+                "see when your AllReduces ran)"
+            )
+    return None
+
+
+def _compare(report: Report, results, world: int, expect=None) -> bool:
     """First (step, rank, parameter, element) where the averaged gradient or the
     weights differ from one process training on the whole batch."""
     for step in range(STEPS):
@@ -138,7 +197,7 @@ def _compare(report: Report, results, world: int) -> bool:
                         f"after step {step + 1}'s finish_gradient_synchronization(), rank "
                         f"{rank}'s {name}.grad[{i}] is {g.reshape(-1)[i].item():.6g}; the "
                         f"average over ranks is {right.reshape(-1)[i].item():.6g}."
-                        + _hint(results, step, rank, name, world)
+                        + _hint(results, step, rank, name, world, i, expect)
                     )
                     return False
             for name in want:  # frozen ones too: they must not move
@@ -160,22 +219,68 @@ def _compare(report: Report, results, world: int) -> bool:
     return True
 
 
-def _hint(results, step, rank, name, world) -> str:
+def _hint(results, step, rank, name, world, i, expect=None) -> str:
     """What the learner's gradient is, compared with the right (averaged) one."""
-    _, _, right_grads, grads = results[rank][0]["trace"][step]
+    res = results[rank][0]
+    _, _, right_grads, grads = res["trace"][step]
     g, right = grads[name], right_grads[name]
+    event = res["events"][step]
+    wanted = len(expect) if expect is not None else len(res["names"])
+    if 0 < len(event["calls"]) < wanted:
+        if expect is not None:
+            return (
+                f" Only {len(event['calls'])} of the {wanted} buckets were all-reduced in step "
+                f"{step + 1}: when a gradient completes a bucket, launch every complete bucket "
+                "from self.next on (a while loop, not an if) — here a layer's gradients are "
+                "ready before those of a layer defined after it, so a full bucket can wait for "
+                "an earlier one."
+            )
+        return (
+            f" Only {len(event['calls'])} of the {wanted} gradients were all-reduced in step "
+            f"{step + 1}: every trainable parameter's hook must launch one."
+        )
+    if step > 0 and not event["calls"] and res["events"][0]["calls"]:
+        return (
+            f" In step {step + 1} no AllReduce was issued at all (step 1 issued "
+            f"{len(res['events'][0]['calls'])}): reset what tracks a step — the gradients still "
+            "missing per bucket, the next bucket to launch, the pending list — at the end of "
+            "finish_gradient_synchronization(), so that the next step launches again."
+        )
     if len(results) > 1:
         other = results[1 - rank][0]["trace"][step][3][name]
         if other is not None and (other - g).abs().max() > 1e-5:
+            waited = not any(r["unwaited"] for r, _ in results)
+            if waited and res.get("buckets") is not None:
+                return (
+                    " Rank 0 and rank 1 hold different gradients: each kept its own, although "
+                    "every AllReduce was waited. Did the reduced flat tensor reach .grad? Copy "
+                    "each slice of it back into its parameter's .grad (torch.cat made a copy)."
+                )
             return (
                 " Rank 0 and rank 1 hold different gradients: each kept its own — the "
-                "gradients were not all-reduced, or their AllReduce had not finished (no "
-                "wait()) when they were read."
+                "gradients were not all-reduced (or a copy of them was), or their AllReduce "
+                "had not finished (no wait()) when they were read."
             )
     moved = right.abs() > 1e-6
     if not moved.any():
         return ""
-    ratio = (g[moved] / right[moved]).median().item()
+    ratios = g[moved] / right[moved]
+    ratio = ratios.median().item()
+    worst = (g.reshape(-1)[i] / right.reshape(-1)[i]).item() if right.reshape(-1)[i] else ratio
+    lo, hi = ratios.min().item(), ratios.max().item()
+    if hi - lo > 0.1 * max(abs(hi), abs(lo)):  # not one factor: elements disagree
+        if abs(ratio - 1) < 0.01:
+            right_share = ((ratios - 1).abs() < 1e-3).float().mean().item()
+            return (
+                f" {right_share:.0%} of its elements are right, but here it is {worst:.3g}× "
+                "the average: it was read or changed (divided?) while its AllReduce was still "
+                "running. Touch a gradient only after its handle's wait()."
+            )
+        return (
+            f" Its elements are off by different factors, from {lo:.3g}× to {hi:.3g}× the "
+            "average: a sign of a gradient read or changed (divided?) while its AllReduce was "
+            "still running. Touch a gradient only after its handle's wait()."
+        )
     if abs(ratio - world) < 0.05 * world:
         return (
             f" Yours is {ratio:.3g}× the average, N = {world} times: the gradients were "
@@ -189,7 +294,7 @@ def _hint(results, step, rank, name, world) -> str:
         )
     if abs(ratio) < 0.01:
         return " It is zero: the averaged gradient never reached .grad."
-    return f" Yours is {ratio:.3g}× the average there."
+    return f" Yours is {worst:.3g}× the average there."
 
 
 def _report_unwaited(report: Report, results) -> bool:
@@ -204,7 +309,9 @@ def _report_unwaited(report: Report, results) -> bool:
     return bool(unwaited)
 
 
-def _check_communication(report: Report, results, expect_ops: int | None) -> None:
+def _check_communication(report: Report, results, expect: list[int] | None) -> None:
+    """How it communicated. ``expect``: each bucket's elements, in bucket order (None:
+    one AllReduce per parameter, in any order)."""
     events = results[0][0]["events"]
     unwaited = _report_unwaited(report, results)
     during = [e["in_backward"] for e in events]
@@ -223,23 +330,51 @@ def _check_communication(report: Report, results, expect_ops: int | None) -> Non
             "finish_gradient_synchronization()"
         )
         return
-    if any(e["in_finish"] for e in events) and expect_ops is None:
+    if any(e["in_finish"] for e in events) and expect is None:
         report.fail(
             f"{max(e['in_finish'] for e in events)} AllReduce(s) per step were issued in "
             "finish_gradient_synchronization(): every gradient's AllReduce belongs in its hook"
         )
         return
     per_step = [e["in_backward"] + e["in_finish"] for e in events]
-    if expect_ops is not None and any(n != expect_ops for n in per_step):
-        report.fail(
-            f"{per_step[0]} AllReduce(s) per step; the buckets need exactly {expect_ops} — one "
-            "per bucket (flatten the bucket's gradients, all-reduce the flat tensor once)"
-        )
-        return
+    if expect is not None:
+        sizes = [[n for n, _ in e["calls"]] for e in events]
+        if any(len(got) > len(expect) for got in sizes):
+            report.fail(
+                f"{per_step[0]} AllReduce(s) per step; the {len(expect)} buckets need exactly "
+                f"{len(expect)} — one per bucket (flatten the bucket's gradients, all-reduce the "
+                "flat tensor once)"
+            )
+            return
+        if any(len(got) < len(expect) for got in sizes):
+            short = next(got for got in sizes if len(got) < len(expect))
+            report.fail(
+                f"only {len(short)} of the {len(expect)} buckets were all-reduced in a step: when "
+                "a gradient completes a bucket, launch every complete bucket from self.next on "
+                "(a while loop, not an if): here a layer's gradients are ready before those of a "
+                "layer defined after it, so a bucket can wait for an earlier one"
+            )
+            return
+        wrong = next((got for got in sizes if got != expect), None)
+        if wrong is not None:
+            report.fail(
+                f"buckets were all-reduced out of order: elements per AllReduce {wrong}, bucket "
+                f"order {expect}. The k-th AllReduce of a rank meets the k-th of every other "
+                "rank, so all must launch the same buckets in the same order: launch a full "
+                "bucket only once every earlier one is launched"
+            )
+            return
+        left = max(e["left"] for e in events)
+        if left:
+            report.fail(
+                f"self.pending still held {left} entries after finish_gradient_synchronization(): "
+                "empty it there, or every step keeps (and copies back) the old buckets again"
+            )
+            return
     if not unwaited:
         report.ok(
             f"{during[-1]} async AllReduce(s) launched during backward, {per_step[-1]} per "
-            "step, every one waited"
+            "step" + (", in bucket order" if expect is not None else "") + ", every one waited"
         )
 
 
@@ -255,12 +390,28 @@ def check_hook_ddp(wrapper_cls, world_size: int = 2, timeout: float = TIMEOUT_S)
                             wrapper_cls, (), world_size=world_size, timeout=timeout,
                             link=CHECK_LINK)  # fmt: skip
     if results is None:
+        _loop_hint(report)
         return report
-    if _compare(report, results, world_size):
-        _check_communication(report, results, expect_ops=None)
-    else:
+    builtin = _builtins(results)
+    if builtin:
+        report.fail(builtin)
+    if _compare(report, results, world_size) and not builtin:
+        _check_communication(report, results, expect=None)
+    elif not builtin:
         _report_unwaited(report, results)
     return report
+
+
+def _loop_hint(report: Report) -> None:
+    """A hook that never returns hangs backward: say so after the timeout line."""
+    if report.cases and "did not finish" in report.cases[-1][1]:
+        text = report.cases[-1][1]
+        if "_on_grad_ready" in text or "finish_gradient_synchronization" in text:
+            report.fail(
+                "a rank was still inside your wrapper's code when time ran out: look for a loop "
+                "whose condition never changes there (a while loop that does not advance "
+                "self.next?)"
+            )
 
 
 # --------------------------------------------------------------------------- lab 07: buckets
@@ -269,10 +420,19 @@ BUCKET_CASES = [
     ("four 1 MiB gradients, 2 MiB buckets", [2**20] * 4, 2),
     ("a gradient larger than a bucket", [100, 3 * 2**20, 100, 100], 1),
     ("buckets smaller than every gradient", [4096, 4096, 4096], 0.001),
-    ("one bucket for everything (bucket_mb=None)", [10, 20, 30], None),
+    ("one bucket for everything (bucket_mb=None), 60 MiB", [20 * 2**20] * 3, None),
     ("an exact fit, then one more byte", [2**19, 2**19, 1], 1),
     ("uneven sizes", [300_000, 500_000, 200_000, 900_000, 100_000, 50_000], 1),
+    ("1 020 000 bytes in a 1 MiB bucket", [600_000, 420_000, 100_000], 1),
 ]
+
+
+def _size(n: int) -> str:
+    """Bytes in binary units, as the lab counts them (1 MiB = 2**20 bytes)."""
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.4g} {unit}"
+    return f"{n} B"
 
 
 def check_assign_buckets(assign_buckets) -> Report:
@@ -293,22 +453,53 @@ def check_assign_buckets(assign_buckets) -> Report:
         except Exception as exc:  # noqa: BLE001 - a crash is one ✘ line
             report.fail(f"{what}: raised {type(exc).__name__}: {exc}")
             continue
-        got = [list(b) for b in got] if isinstance(got, (list, tuple)) else got
+        if isinstance(got, tuple):
+            got = list(got)
+        if isinstance(got, list) and all(isinstance(b, (list, tuple)) for b in got):
+            got = [list(b) for b in got]
         if got == want:
             report.ok(f"{what}: {_show(want, sizes)}")
         else:
             hint = _bucket_hint(got, want, sizes, mb)
-            report.fail(f"{what}, bucket_mb={mb}: got {got}; expected {want}.{hint}")
+            report.fail(f"{what}, bucket_mb={mb}: got {got!r}; expected {want}.{hint}")
     return report
 
 
 def _show(buckets, sizes) -> str:
-    return " | ".join(f"{b} ({human_bytes(sum(sizes[i] for i in b))})" for b in buckets)
+    return " | ".join(f"{b} ({_size(sum(sizes[i] for i in b))})" for b in buckets)
+
+
+def _strict(sizes, mb):
+    """The buckets of a bucketer that closes a bucket when the total *reaches* the limit."""
+    limit, buckets, total = mb * 2**20, [], 0
+    for i, n in enumerate(sizes):
+        if buckets and total + n < limit:
+            buckets[-1].append(i)
+            total += n
+        else:
+            buckets.append([i])
+            total = n
+    return buckets
 
 
 def _bucket_hint(got, want, sizes, mb) -> str:
     if not isinstance(got, list) or not all(isinstance(b, list) for b in got):
-        return " Return a list of buckets, each a list of gradient indices."
+        return (
+            f" Return a list of buckets, each a list of gradient indices (got a "
+            f"{type(got).__name__}"
+            + (
+                f" whose items are {type(got[0]).__name__}s"
+                if isinstance(got, list) and got
+                else ""
+            )
+            + ")."
+        )
+    if any(not b for b in got):
+        k = next(k for k, b in enumerate(got) if not b)
+        return (
+            f" Bucket {k} is empty: a gradient larger than the limit starts a bucket of its "
+            "own — do not close the current bucket before it holds anything."
+        )
     flat = [i for b in got for i in b]
     if sorted(flat) != list(range(len(sizes))):
         return " Every gradient index must be in exactly one bucket."
@@ -317,37 +508,65 @@ def _bucket_hint(got, want, sizes, mb) -> str:
             " Buckets hold consecutive gradients in the order given (the order they become "
             "ready), so that a bucket fills while backward runs."
         )
-    limit = math.inf if mb is None else mb * 2**20
+    if mb is None:
+        return " bucket_mb=None means no limit: one bucket holds every gradient."
+    decimal = got in (ddp_buckets(sizes, mb * 10**6 / 2**20),
+                      ddp_buckets(sizes, mb * 1000 * 1024 / 2**20))  # fmt: skip
+    strict = got == _strict(sizes, mb)
+    units = f"buckets of {mb} × 10**6 bytes? bucket_mb counts MiB, 1 MiB = 2**20 = 1048576 bytes"
+    less = (
+        "a gradient still joins the current bucket when the total then equals the limit "
+        "exactly (≤, not <)"
+    )
+    if decimal and strict:
+        return f" Two mistakes give these buckets: {units}; or {less}."
+    if decimal:
+        return f" Are these {units}."
+    if strict:
+        return f" You close a bucket when its total reaches the limit: {less}."
+    limit = mb * 2**20
     for b in got:
         total = sum(sizes[i] for i in b)
         if total > limit and len(b) > 1:
             return (
                 f" Bucket {b} holds {total} bytes, more than bucket_mb = {mb} MiB = "
-                f"{limit:g} bytes (MiB: 2**20 bytes)."
+                f"{int(limit)} bytes (1 MiB = 2**20 bytes)."
             )
-    if len(got) > len(want):
-        return (
-            " You start a new bucket too early: a gradient joins the current bucket while the "
-            "total stays at most the limit (≤, not <)."
-        )
     return ""
 
 
-def check_bucketed_ddp(wrapper_cls, bucket_mb: float = 0.004, world_size: int = 2,
+#: lab 07's check: buckets of 400 bytes cut the test model's 8 gradients into 6, one of
+#: them an exact fit, and one full before an earlier one
+CHECK_BUCKET_MB = 400 / 2**20
+
+
+def check_bucketed_ddp(wrapper_cls, bucket_mb: float = CHECK_BUCKET_MB, world_size: int = 2,
                        timeout: float = TIMEOUT_S) -> Report:  # fmt: skip
-    """Check a bucketed wrapper ``wrapper_cls(module, bucket_mb)`` (lab 07): the weights of
-    5 steps against one process, one async AllReduce per bucket launched during backward,
-    every handle waited."""
+    """Check a bucketed wrapper ``wrapper_cls(module, bucket_mb)`` (lab 07): its buckets,
+    the weights of 5 steps against one process, one async AllReduce per bucket launched
+    during backward in bucket order, every handle waited."""
     report = Report("bucketed_ddp")
-    sizes = [p.numel() * 4 for p in reversed([p for p in _net().parameters() if p.requires_grad])]
-    expect = len(ddp_buckets(sizes, bucket_mb))
-    results = run_or_report(report, f"{wrapper_cls.__name__}(bucket_mb={bucket_mb}) on "
+    order = list(reversed([p for p in _net().parameters() if p.requires_grad]))
+    want = ddp_buckets([p.numel() * p.element_size() for p in order], bucket_mb)
+    expect = [sum(order[i].numel() for i in b) for b in want]
+    results = run_or_report(report, f"{wrapper_cls.__name__}(bucket_mb={bucket_mb:.3g}) on "
                             f"{world_size} ranks", _train, wrapper_cls, (bucket_mb,),
                             world_size=world_size, timeout=timeout, link=CHECK_LINK)  # fmt: skip
     if results is None:
+        _loop_hint(report)
         return report
-    if _compare(report, results, world_size):
-        _check_communication(report, results, expect_ops=expect)
-    else:
+    got = results[0][0]["buckets"]
+    if got is not None and got != want:
+        report.fail(
+            f"self.buckets is {got}; with buckets of {_size(round(bucket_mb * 2**20))} the "
+            f"gradients (in reverse parameter order) make {want}: check assign_buckets first "
+            "(ok.grading.check_assign_buckets)"
+        )
+    builtin = _builtins(results)
+    if builtin:
+        report.fail(builtin)
+    if _compare(report, results, world_size, expect) and not builtin:
+        _check_communication(report, results, expect=expect)
+    elif not builtin:
         _report_unwaited(report, results)
     return report
