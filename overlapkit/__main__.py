@@ -6,6 +6,16 @@ import argparse
 import sys
 
 
+def _parse_link(text: str | None):
+    """``LATENCY_US,BANDWIDTH_GBPS`` → an ``ok.Link`` (None when not given)."""
+    if not text:
+        return None
+    from .p2p import Link
+
+    latency, bandwidth = (float(x) for x in text.split(","))
+    return Link(latency, bandwidth)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m overlapkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,12 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         run(out=args.out, world=args.world_size)
     elif args.bench == "collectives":
         from .bench.collectives import run
-        from .p2p import Link
 
-        link = None
-        if args.link:
-            latency, bandwidth = (float(x) for x in args.link.split(","))
-            link = Link(latency, bandwidth)
+        link = _parse_link(args.link)
         run(
             sizes=args.sizes.split(","),
             world_sizes=[int(w) for w in args.world_sizes.split(",")],
@@ -96,12 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     elif args.bench == "ddp":
         from .bench.ddp import run
-        from .p2p import Link
 
-        link = None
-        if args.link:
-            latency, bandwidth = (float(x) for x in args.link.split(","))
-            link = Link(latency, bandwidth)
+        link = _parse_link(args.link)
         run(
             layers=args.layers,
             width=args.width,

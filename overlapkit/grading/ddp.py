@@ -470,16 +470,9 @@ def _show(buckets, sizes) -> str:
 
 
 def _strict(sizes, mb):
-    """The buckets of a bucketer that closes a bucket when the total *reaches* the limit."""
-    limit, buckets, total = mb * 2**20, [], 0
-    for i, n in enumerate(sizes):
-        if buckets and total + n < limit:
-            buckets[-1].append(i)
-            total += n
-        else:
-            buckets.append([i])
-            total = n
-    return buckets
+    """The buckets of a bucketer that closes a bucket when its total *reaches* the limit:
+    for whole bytes, total < limit is total ≤ limit − 1."""
+    return ddp_buckets(sizes, (mb * 2**20 - 1) / 2**20)
 
 
 def _bucket_hint(got, want, sizes, mb) -> str:
