@@ -3,7 +3,7 @@
 Conventional import: ``import overlapkit as ok``.
 """
 
-from . import builtin, costmodel, diagrams, grading, p2p, pingpong, widgets
+from . import builtin, costmodel, diagrams, grading, p2p, pingpong, pipeline, widgets
 from .collectives import (
     CollectiveMismatchError,
     bucketed_all_reduce,
@@ -56,6 +56,7 @@ __all__ = [
     "grading",
     "pingpong",
     "widgets",
+    "pipeline",
     "launch",
     "Timeline",
     "Span",

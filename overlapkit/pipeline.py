@@ -1,0 +1,359 @@
+"""Pipeline (model) parallelism: a model split into stages on consecutive ranks.
+
+Stage s holds one piece of the model. A forward pass of a micro-batch runs
+stage 0, sends its activation to stage 1, and so on; the backward pass sends
+the gradient of each stage's input back the other way. With one batch and no
+micro-batches only one stage works at a time; micro-batches keep several busy::
+
+    sequential   s0 |F    |                  |B    |
+                 s1       |F    |B    |                     idle: (p−1)/p of the time
+
+    GPipe (m=4)  s0 |F0|F1|F2|F3|        |B0|B1|B2|B3|
+                 s1    |F0|F1|F2|F3|B0|B1|B2|B3|          bubble (p−1)/(m+p−1)
+
+    1F1B (m=4)   s0 |F0|F1|  |B0|F2|B1|F3|B2|  |B3|
+                 s1    |F0|B0|F1|B1|F2|B2|F3|B3|          same bubble, but a stage holds
+                                                           at most p micro-batches' activations
+
+A schedule is data — :func:`make_schedule` returns each stage's list of
+actions — and :class:`PipelineStage` executes it. With ``overlap=True`` a stage
+posts its receives early and does not wait for its sends, so activations and
+gradients travel (over ``ok.Link`` when one is set) while the next micro-batch
+computes; with ``overlap=False`` every send blocks until delivered and every
+receive starts when the data is needed.
+
+Gradients equal single-device training on the whole batch: each micro-batch's
+loss is weighted by its share of the batch (micro-batches may differ in size
+by one sample when the batch does not divide evenly).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import p2p, runtime
+
+SCHEDULES = ("sequential", "gpipe", "1f1b")
+
+#: header sent with the first activation of a step: status, batch, micro-batches, dtype,
+#: ndim, then the per-sample shape (padded)
+_HEADER = 16
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+@dataclass(frozen=True)
+class Action:
+    """One compute action of a stage: ``"F"`` (forward) or ``"B"`` (backward) of a micro-batch."""
+
+    op: str
+    micro: int
+
+    def __str__(self) -> str:
+        return f"{self.op}{self.micro}"
+
+    __repr__ = __str__
+
+
+def make_schedule(name: str, stages: int, micro_batches: int) -> list[list[Action]]:
+    """Each stage's actions, in the order it runs them.
+
+    * ``"sequential"``: the whole batch as one micro-batch: F0, B0;
+    * ``"gpipe"``: all forwards, then all backwards (F0 … F(m−1), B0 … B(m−1));
+    * ``"1f1b"``: stage s runs min(p−s−1, m) warm-up forwards, then alternates one
+      forward and one backward, then drains the remaining backwards.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
+    if stages < 1 or micro_batches < 1:
+        raise ValueError(f"stages and micro_batches must be ≥ 1, got {stages} and {micro_batches}")
+    m = 1 if name == "sequential" else micro_batches
+    out = []
+    for s in range(stages):
+        if name in ("sequential", "gpipe"):
+            out.append([Action("F", k) for k in range(m)] + [Action("B", k) for k in range(m)])
+            continue
+        warmup = min(stages - s - 1, m)
+        acts = [Action("F", k) for k in range(warmup)]
+        for k in range(m - warmup):
+            acts += [Action("F", warmup + k), Action("B", k)]
+        acts += [Action("B", k) for k in range(m - warmup, m)]
+        out.append(acts)
+    return out
+
+
+def format_schedule(schedule: list[list[Action]]) -> str:
+    """One line per stage: ``stage 0: F0 F1 B0 F2 B1 …``."""
+    return "\n".join(f"stage {s}: {' '.join(map(str, acts))}" for s, acts in enumerate(schedule))
+
+
+# --------------------------------------------------------------------------- execution
+
+
+@dataclass
+class StepResult:
+    """What one pipeline step did on this stage."""
+
+    stage: int
+    loss: float | None  # the whole batch's loss (last stage only)
+    actions: list[str]  # the compute actions, in the order run
+    peak_activations: int  # most micro-batches whose activations were held at once
+    micro_sizes: list[int] = field(default_factory=list)
+
+
+class PipelineError(RuntimeError):
+    """A stage refused or failed the step; the message names the stage and shapes."""
+
+
+class PipelineStage:
+    """One stage of a pipeline: ``module`` on this rank, stage ``stage`` of ``stages``
+    (default: this rank of all ranks). Neighbours are the ranks ``ranks[stage ± 1]``
+    (default: consecutive ranks)."""
+
+    def __init__(self, module: torch.nn.Module, stage: int | None = None,
+                 stages: int | None = None, ranks: list[int] | None = None):  # fmt: skip
+        self.module = module
+        self.stages = runtime.world_size() if stages is None else stages
+        self.stage = runtime.rank() if stage is None else stage
+        self.ranks = list(range(self.stages)) if ranks is None else list(ranks)
+        if not 0 <= self.stage < self.stages or len(self.ranks) != self.stages:
+            raise ValueError(
+                f"stage {self.stage} of {self.stages} stages on ranks {self.ranks}: the stage "
+                "must be one of the stages, and each stage needs a rank"
+            )
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    # ------------------------------------------------------------ the step
+    def step(self, inputs=None, targets=None, loss_fn=None, micro_batches: int = 1,
+             schedule: str = "1f1b", overlap: bool = True,
+             timeline=None) -> StepResult:  # fmt: skip
+        """Run one training step's forwards and backwards (gradients accumulate into the
+        stage module's ``.grad``; call the optimizer after). Stage 0 gives ``inputs``; the
+        last stage gives ``targets`` and ``loss_fn(output, target)`` (a mean over samples)."""
+        run = _Run(self, schedule, micro_batches, overlap, timeline)
+        try:
+            run.start(inputs, targets, loss_fn)
+            for action in run.plan:
+                (run.forward if action.op == "F" else run.backward)(action.micro)
+            run.finish()
+        except BaseException:
+            run.abandon()
+            raise
+        return StepResult(self.stage, run.loss, [str(a) for a in run.plan], run.peak, run.sizes)
+
+
+class _Run:
+    """The state of one step on one stage."""
+
+    def __init__(self, stage: PipelineStage, schedule: str, m: int, overlap: bool, timeline):
+        self.st = stage
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+        if not isinstance(m, int) or m < 1:
+            raise ValueError(f"micro_batches must be a positive int, got {m!r}")
+        self.schedule_name = schedule
+        self.m = 1 if schedule == "sequential" else m
+        self.plan = make_schedule(schedule, stage.stages, self.m)[stage.stage]
+        self.overlap = overlap
+        self.timeline = timeline
+        self.prev = None if stage.first else stage.ranks[stage.stage - 1]
+        self.next = None if stage.last else stage.ranks[stage.stage + 1]
+        self.stash: dict[int, tuple] = {}  # micro → (input, output or loss)
+        self.peak = 0
+        self.loss = None
+        self.sends: list = []  # handles of sends not waited yet (overlap)
+        self.act_recv: dict[int, tuple] = {}  # micro → (buffer, handle)
+        self.grad_recv: dict[int, tuple] = {}
+        first = next(stage.module.parameters(), None)
+        self.device = first.device if first is not None else runtime.device()
+
+    # ------------------------------------------------------------ set-up
+    def start(self, inputs, targets, loss_fn) -> None:
+        st = self.st
+        if st.first:
+            if inputs is None:
+                raise ValueError("stage 0 needs the batch's inputs: step(inputs=...)")
+            self._check_batch(inputs.shape[0])
+            self.batch = inputs.shape[0]
+            self.inputs = list(torch.tensor_split(inputs, self.m))
+        else:
+            self._receive_header()
+            if st.last and targets is not None and targets.shape[0] != self.batch:
+                raise PipelineError(
+                    f"stage {st.stage} (last) got targets for {targets.shape[0]} samples, but "
+                    f"stage 0 sent a batch of {self.batch}"
+                )
+        self.sizes = [len(r) for r in torch.tensor_split(torch.arange(self.batch), self.m)]
+        if st.last:
+            if targets is None or loss_fn is None:
+                raise ValueError(f"the last stage ({st.stage}) needs targets= and loss_fn=")
+            self._check_batch(targets.shape[0])
+            self.targets = list(torch.tensor_split(targets, self.m))
+            self.loss_fn = loss_fn
+            self.loss = 0.0
+        if self.overlap and not st.first:
+            self._post_act_recv(0)
+
+    def _check_batch(self, batch: int) -> None:
+        if self.m > batch:
+            self._refuse(
+                f"micro_batches={self.m} is larger than the batch ({batch} samples): each "
+                "micro-batch needs at least one sample"
+            )
+
+    def _refuse(self, why: str) -> None:
+        """Stage 0 tells the next stage that it refused the step, so nobody waits for it."""
+        if self.st.first and self.next is not None:
+            header = torch.zeros(_HEADER, dtype=torch.int64)
+            header[0] = -1
+            p2p.send(header, self.next)
+        raise PipelineError(f"stage {self.st.stage}: {why}")
+
+    def _receive_header(self) -> None:
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        p2p.recv(header, self.prev)
+        status, batch, m, dtype, ndim = header[:5].tolist()
+        if status < 0:
+            if self.next is not None:  # pass the refusal on down the pipeline
+                p2p.send(header, self.next)
+            raise PipelineError(
+                f"stage {self.st.stage}: stage {self.st.stage - 1} refused the step (see its error)"
+            )
+        if m != self.m:
+            raise PipelineError(
+                f"stage {self.st.stage} runs {self.m} micro-batches, but stage "
+                f"{self.st.stage - 1} sends {m}: every stage must be given the same micro_batches"
+            )
+        self.batch = batch
+        self.act_dtype = _DTYPES[dtype]
+        self.act_shape = tuple(header[5 : 5 + ndim].tolist())  # per sample
+
+    def _send_header(self, out: torch.Tensor) -> None:
+        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header[1], header[2] = self.batch, self.m
+        header[3] = _DTYPES.index(out.dtype)
+        header[4] = out.dim() - 1
+        header[5 : 5 + out.dim() - 1] = torch.tensor(out.shape[1:])
+        p2p.send(header, self.next)
+
+    # ------------------------------------------------------------ transfers
+    def _post_act_recv(self, k: int) -> None:
+        if k >= self.m or k in self.act_recv:
+            return
+        buf = torch.empty((self.sizes[k], *self.act_shape), dtype=self.act_dtype,
+                          device=self.device)  # fmt: skip
+        self.act_recv[k] = (buf, p2p.irecv(buf, self.prev))
+
+    def _post_grad_recv(self, k: int, like: torch.Tensor) -> None:
+        buf = torch.empty_like(like)
+        self.grad_recv[k] = (buf, p2p.irecv(buf, self.next))
+
+    def _send(self, tensor: torch.Tensor, dst: int, name: str) -> None:
+        handle = p2p.isend(tensor, dst)
+        if self.timeline is not None:
+            handle = self.timeline.track(name, handle, "comm")
+        self.sends.append((tensor, handle))  # the tensor must live until sent
+
+    def _serialise(self) -> None:
+        """Without overlap, a stage computes only once its sends have arrived. (It waits
+        for them *after* posting the receive its next action needs, as Megatron pairs a
+        send with the next receive: where a send completes only when the peer receives,
+        1F1B's crossing sends would otherwise wait for each other forever.)"""
+        if not self.overlap:
+            for _, handle in self.sends:
+                handle.wait()
+            self.sends.clear()
+
+    def _span(self, name: str, start: float) -> None:
+        if self.timeline is not None:
+            self.timeline.add(name, start, time.perf_counter(), "compute")
+
+    # ------------------------------------------------------------ actions
+    def forward(self, k: int) -> None:
+        st = self.st
+        if st.first:
+            x = self.inputs[k]
+            self._serialise()
+        else:
+            if k not in self.act_recv:
+                self._post_act_recv(k)
+            x, handle = self.act_recv.pop(k)
+            self._serialise()
+            handle.wait()
+            x.requires_grad_(True)
+            if self.overlap:
+                self._post_act_recv(k + 1)  # the next one travels while this computes
+        start = time.perf_counter()
+        try:
+            out = st.module(x)
+        except Exception as exc:
+            raise PipelineError(
+                f"stage {st.stage}: its module failed on micro-batch {k} of shape "
+                f"{list(x.shape)}"
+                + ("" if st.first else f" (the activation stage {st.stage - 1} sent)")
+                + f": {type(exc).__name__}: {exc}"
+            ) from exc
+        if st.last:
+            target = self.targets[k]
+            loss = self.loss_fn(out, target) * (self.sizes[k] / self.batch)
+            self.loss += loss.item()
+            self.stash[k] = (x, loss)
+        else:
+            if k == 0:
+                self._send_header(out)
+                self.act_shape = tuple(out.shape[1:])
+            elif tuple(out.shape[1:]) != self.act_shape:
+                raise PipelineError(
+                    f"stage {st.stage}: micro-batch {k}'s output has shape {list(out.shape)}, "
+                    f"but micro-batch 0's per-sample shape was {list(self.act_shape)}"
+                )
+            self.stash[k] = (x, out)
+        self._span(f"F{k}", start)
+        self.peak = max(self.peak, len(self.stash))
+        if not st.last:
+            self._send(out.detach(), self.next, f"act {k}")
+            if self.overlap:
+                self._post_grad_recv(k, out)
+
+    def backward(self, k: int) -> None:
+        st = self.st
+        x, y = self.stash.pop(k)
+        if st.last:
+            self._serialise()
+            start = time.perf_counter()
+            y.backward()
+        else:
+            if k not in self.grad_recv:
+                self._post_grad_recv(k, y)
+            grad, handle = self.grad_recv.pop(k)
+            self._serialise()
+            handle.wait()
+            start = time.perf_counter()
+            y.backward(grad)
+        self._span(f"B{k}", start)
+        if not st.first:
+            self._send(x.grad, self.prev, f"grad {k}")
+
+    # ------------------------------------------------------------ end
+    def finish(self) -> None:
+        for _, handle in self.sends:
+            handle.wait()
+        self.sends.clear()
+        if self.act_recv or self.grad_recv:
+            left = sorted(self.act_recv) + sorted(self.grad_recv)
+            raise PipelineError(f"stage {self.st.stage}: receives posted but never used: {left}")
+
+    def abandon(self) -> None:
+        """After a failure: forget what was in flight (the launch ends the ranks)."""
+        self.sends.clear()
+        self.act_recv.clear()
+        self.grad_recv.clear()

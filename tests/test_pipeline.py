@@ -1,0 +1,139 @@
+"""ok.pipeline: schedules as data, and steps whose gradients equal one device's."""
+
+import pytest
+import torch
+
+import overlapkit as ok
+from overlapkit.pipeline import PipelineError, PipelineStage, format_schedule, make_schedule
+
+
+def test_gpipe_runs_every_forward_then_every_backward():
+    assert format_schedule(make_schedule("gpipe", 2, 3)) == (
+        "stage 0: F0 F1 F2 B0 B1 B2\nstage 1: F0 F1 F2 B0 B1 B2"
+    )
+
+
+def test_1f1b_warms_up_alternates_and_drains_as_in_the_textbook():
+    assert format_schedule(make_schedule("1f1b", 2, 4)) == (
+        "stage 0: F0 F1 B0 F2 B1 F3 B2 B3\nstage 1: F0 B0 F1 B1 F2 B2 F3 B3"
+    )
+    three = make_schedule("1f1b", 3, 4)
+    assert " ".join(map(str, three[0])) == "F0 F1 F2 B0 F3 B1 B2 B3"
+    assert " ".join(map(str, three[1])) == "F0 F1 B0 F2 B1 F3 B2 B3"
+    assert " ".join(map(str, three[2])) == "F0 B0 F1 B1 F2 B2 F3 B3"
+
+
+def test_1f1b_with_fewer_micro_batches_than_stages_is_gpipe():
+    assert make_schedule("1f1b", 3, 1) == make_schedule("gpipe", 3, 1)
+
+
+def test_sequential_is_one_micro_batch():
+    assert format_schedule(make_schedule("sequential", 2, 8)) == "stage 0: F0 B0\nstage 1: F0 B0"
+
+
+def test_an_unknown_schedule_name_is_refused():
+    with pytest.raises(ValueError, match="unknown schedule 'zb'.*sequential, gpipe, 1f1b"):
+        make_schedule("zb", 2, 4)
+
+
+BATCH = 10  # divisible by 1 and 2 only of the micro-batch counts below
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+        torch.nn.Linear(16, 3),
+    )  # fmt: skip
+
+
+CUTS = {2: [0, 2, 5], 3: [0, 2, 4, 5]}
+
+
+def _every_schedule():
+    """Each schedule, overlap on and off, m ∈ {1, 2, 4, 7, 8}: this stage's gradients
+    against one device's on the whole batch."""
+    s, p = ok.rank(), ok.world_size()
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(BATCH, 6, generator=gen), torch.randn(BATCH, 3, generator=gen)
+    full = _model()
+    torch.nn.functional.mse_loss(full(x), y).backward()
+    lo, hi = CUTS[p][s], CUTS[p][s + 1]
+    want = [q.grad for q in full[lo:hi].parameters()]
+    worst = {}
+    for schedule in ("sequential", "gpipe", "1f1b"):
+        for overlap in (False, True):
+            for m in (1, 2, 4, 7, 8):
+                piece = _model()[lo:hi]
+                stage = PipelineStage(piece)
+                res = stage.step(x if s == 0 else None, y if s == p - 1 else None,
+                                 torch.nn.functional.mse_loss, m, schedule, overlap)  # fmt: skip
+                diff = max((q.grad - w).abs().max().item()
+                           for q, w in zip(piece.parameters(), want, strict=True))  # fmt: skip
+                worst[(schedule, overlap, m)] = (diff, res.peak_activations, res.loss)
+    return worst
+
+
+@pytest.mark.parametrize("stages, link", [(2, None), (2, ok.Link(20, 5)), (3, ok.Link(20, 5))])
+def test_every_schedule_gives_one_devices_gradients(stages, link):
+    results = ok.launch(_every_schedule, world_size=stages, link=link, timeout=120)
+    for s, worst in enumerate(results):
+        for (schedule, overlap, m), (diff, peak, _) in worst.items():
+            assert diff < 1e-5, f"stage {s}, {schedule}, overlap={overlap}, m={m}: {diff}"
+            micro = 1 if schedule == "sequential" else m
+            if schedule == "1f1b":  # at most p − s micro-batches held
+                assert peak <= min(stages - s, micro), (s, m, peak)
+            else:
+                assert peak == micro
+    loss = results[-1][("gpipe", True, 7)][2]
+    full = _model()
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(BATCH, 6, generator=gen), torch.randn(BATCH, 3, generator=gen)
+    assert loss == pytest.approx(torch.nn.functional.mse_loss(full(x), y).item(), rel=1e-5)
+
+
+def _too_many_micro_batches():
+    s = ok.rank()
+    piece = _model()[CUTS[2][s] : CUTS[2][s + 1]]
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    PipelineStage(piece).step(x if s == 0 else None, y if s == 1 else None,
+                              torch.nn.functional.mse_loss, micro_batches=5)  # fmt: skip
+
+
+def test_more_micro_batches_than_samples_is_refused_on_every_stage_without_a_hang():
+    with pytest.raises(PipelineError, match="micro_batches=5 is larger than the batch"):
+        ok.launch(_too_many_micro_batches, world_size=2, timeout=30)
+
+
+def _mismatched_boundary():
+    s = ok.rank()
+    # stage 0 ends with 16 features; stage 1 expects 12
+    piece = torch.nn.Linear(6, 16) if s == 0 else torch.nn.Linear(12, 3)
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    PipelineStage(piece).step(x if s == 0 else None, y if s == 1 else None,
+                              torch.nn.functional.mse_loss, micro_batches=2)  # fmt: skip
+
+
+def test_a_stage_boundary_of_the_wrong_shape_names_the_stage_and_the_shapes():
+    with pytest.raises(PipelineError) as info:
+        ok.launch(_mismatched_boundary, world_size=2, timeout=30)
+    text = str(info.value)
+    assert "stage 1: its module failed on micro-batch 0 of shape [2, 16]" in text
+    assert "the activation stage 0 sent" in text
+
+
+def _timeline_step():
+    s = ok.rank()
+    tl = ok.Timeline()
+    piece = _model()[CUTS[2][s] : CUTS[2][s + 1]]
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    PipelineStage(piece).step(x if s == 0 else None, y if s == 1 else None,
+                              torch.nn.functional.mse_loss, 4, "1f1b", timeline=tl)  # fmt: skip
+    return [(sp.name, sp.lane) for sp in tl.spans]
+
+
+def test_a_step_records_compute_and_send_spans():
+    first, last = ok.launch(_timeline_step, world_size=2, link=ok.Link(50, 1), timeout=30)
+    assert [n for n, lane in first if lane == "compute"] == "F0 F1 B0 F2 B1 F3 B2 B3".split()
+    assert [n for n, lane in first if lane == "comm"] == [f"act {k}" for k in range(4)]
+    assert [n for n, lane in last if lane == "comm"] == [f"grad {k}" for k in range(4)]
