@@ -280,6 +280,77 @@ def pipeline_bubble(stages: int, micro_batches: int) -> float:
     return (stages - 1) / (micro_batches + stages - 1)
 
 
+def pipeline_step(schedule, forward, backward, transfer: float = 0.0,
+                  overlap: bool = True) -> dict:  # fmt: skip
+    """Simulate a pipeline step: each stage runs its actions (``ok.pipeline.make_schedule``)
+    in order, as soon as its input is there.
+
+    ``forward``/``backward``: seconds per micro-batch on each stage (a number, or one per
+    stage); ``transfer``: seconds one activation (or its gradient) takes between
+    neighbouring stages, whose link carries one message at a time per direction. A
+    forward of micro-batch k on stage s needs k's activation from stage s−1; a backward
+    needs k's gradient from stage s+1. Without ``overlap`` a stage waits for its own
+    sends to arrive before it computes again. Returns step, per-stage busy time, the
+    bubble (mean idle fraction of the stages) and every action's (stage, name, start,
+    end) for drawing — with transfer = 0 and equal stages, the bubble is
+    (p − 1)/(m + p − 1).
+    """
+    p = len(schedule)
+    t_f = forward if isinstance(forward, (list, tuple)) else [forward] * p
+    t_b = backward if isinstance(backward, (list, tuple)) else [backward] * p
+    done: dict = {}  # (stage, op, micro) -> end of compute
+    arrive: dict = {}  # (stage, kind, micro) -> when the input is there
+    link_free: dict = {}  # (from, to) -> when that direction of the link is free
+    clock = [0.0] * p
+    pending = [[] for _ in range(p)]  # per stage: when its sends arrive (no overlap)
+    index = [0] * p
+    spans = []
+    progress = True
+    while progress:
+        progress = False
+        for s in range(p):
+            if index[s] == len(schedule[s]):
+                continue
+            action = schedule[s][index[s]]
+            k = action.micro
+            if action.op == "F":
+                need = None if s == 0 else ("act", k)
+                cost, to = t_f[s], s + 1
+            else:
+                need = None if s == p - 1 else ("grad", k)
+                cost, to = t_b[s], s - 1
+            if need is not None and (s, *need) not in arrive:
+                continue  # its input is not there yet: another stage first
+            start = clock[s]
+            if need is not None:
+                start = max(start, arrive[(s, *need)])
+            if not overlap and pending[s]:
+                start = max(start, *pending[s])
+                pending[s] = []
+            end = start + cost
+            spans.append((s, f"{action.op}{k}", start, end))
+            clock[s] = end
+            done[(s, action.op, k)] = end
+            if 0 <= to < p:  # send the activation on, or the gradient back
+                leave = max(end, link_free.get((s, to), 0.0))
+                link_free[(s, to)] = leave + transfer
+                arrive[(to, "act" if action.op == "F" else "grad", k)] = leave + transfer
+                pending[s].append(leave + transfer)
+            index[s] += 1
+            progress = True
+    if any(index[s] != len(schedule[s]) for s in range(p)):
+        raise ValueError("the schedule deadlocks: a stage waits for an input never sent")
+    step = max(max(pending[s], default=0.0) for s in range(p))
+    step = max(step, *(end for *_, end in spans))
+    busy = [sum(e - b for st, _, b, e in spans if st == s) for s in range(p)]
+    return {
+        "step": step,
+        "busy": busy,
+        "bubble": sum(1 - b / step for b in busy) / p if step else 0.0,
+        "spans": spans,
+    }
+
+
 #: nccl-tests' bus-bandwidth factors: busbw = algbw × factor
 BUSBW_FACTOR = {
     "all_reduce": lambda N: 2 * (N - 1) / N,

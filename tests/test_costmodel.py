@@ -156,3 +156,27 @@ def test_a_busy_rank_pays_its_per_op_cost_during_backward_only():
     assert first[1] - first[0] == pytest.approx(1e-3 + one)
     last = got["spans"][-1]
     assert last[0] >= 8e-3 and last[1] - last[0] == pytest.approx(1e-4 + one)
+
+
+# --------------------------------------------------------------------------- pipeline
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages, m", [(2, 1), (2, 4), (2, 8), (3, 8), (4, 3)])
+def test_a_simulated_pipeline_without_transfers_has_the_textbook_bubble(schedule, stages, m):
+    from overlapkit.pipeline import make_schedule
+
+    got = cm.pipeline_step(make_schedule(schedule, stages, m), 1.0, 2.0)
+    assert got["step"] == pytest.approx((m + stages - 1) * 3.0)
+    assert got["bubble"] == pytest.approx(cm.pipeline_bubble(stages, m))
+
+
+def test_transfers_add_to_the_fill_and_drain_and_more_without_overlap():
+    from overlapkit.pipeline import make_schedule
+
+    plan = make_schedule("gpipe", 2, 4)
+    base = cm.pipeline_step(plan, 1.0, 1.0)["step"]
+    hidden = cm.pipeline_step(plan, 1.0, 1.0, transfer=0.5, overlap=True)["step"]
+    serial = cm.pipeline_step(plan, 1.0, 1.0, transfer=0.5, overlap=False)["step"]
+    assert hidden == pytest.approx(base + 2 * 0.5)  # one activation in, one gradient out
+    assert serial > hidden
