@@ -77,7 +77,24 @@ def main(argv: list[str] | None = None) -> int:
         help="size the batch so that backward takes this many full-AllReduce times",
     )
     bd.add_argument("--no-torch", action="store_true", help="skip PyTorch DDP")
-    for p in (bl, bc, bd):
+    bp = which.add_parser(
+        "pipeline", help="sequential, GPipe and 1F1B on two stages, overlap on/off, vs the model"
+    )
+    bp.add_argument("--layers", type=int, default=8)
+    bp.add_argument("--width", type=int, default=512)
+    bp.add_argument("--batch", type=int, default=512)
+    bp.add_argument("--micro", default="1,2,4,8", help="micro-batch counts")
+    bp.add_argument("--schedules", default="sequential,gpipe,1f1b")
+    bp.add_argument(
+        "--link",
+        default=None,
+        help="LATENCY_US,BANDWIDTH_GBPS (default: sized so a transfer costs --transfer-share)",
+    )
+    bp.add_argument("--transfer-share", type=float, default=0.3)
+    bp.add_argument("--reps", type=int, default=5)
+    bp.add_argument("--warmup", type=int, default=1)
+    bp.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
+    for p in (bl, bc, bd, bp):
         p.add_argument("--csv", help="also write the rows to this CSV file")
         p.add_argument("--json", help="also write the rows to this JSON file")
 
@@ -116,6 +133,23 @@ def main(argv: list[str] | None = None) -> int:
             batch=args.batch,
             backward_ratio=args.backward_ratio,
             torch_ddp=not args.no_torch,
+            csv_path=args.csv,
+            json_path=args.json,
+        )
+    elif args.bench == "pipeline":
+        from .bench.pipeline import run
+
+        run(
+            layers=args.layers,
+            width=args.width,
+            batch=args.batch,
+            micro=[int(m) for m in args.micro.split(",")],
+            schedules=args.schedules.split(","),
+            link=_parse_link(args.link),
+            transfer_share=args.transfer_share,
+            reps=args.reps,
+            warmup=args.warmup,
+            torch_compare=not args.no_torch,
             csv_path=args.csv,
             json_path=args.json,
         )

@@ -160,3 +160,21 @@ def test_bench_ddp_compares_the_wrappers_with_torch_ddp_and_names_the_best(tmp_p
         assert r["x_naive"] == pytest.approx(r["step_ms"] / data["rows"][0]["step_ms"])
     assert data["meta"]["link"] == "Link(50 µs, 1 GB/s)" and data["meta"]["batch"] == 16
     assert "best bucket size: measured" in out and "best configuration:" in out
+
+
+def test_bench_pipeline_reports_bubble_hidden_share_and_predictions(tmp_path):
+    out_json = tmp_path / "pipe.json"
+    out = run("-m", "overlapkit", "bench", "pipeline", "--layers", "2", "--width", "32",
+              "--batch", "8", "--micro", "1,2", "--schedules", "gpipe,1f1b", "--reps", "1",
+              "--warmup", "1", "--json", str(out_json))  # fmt: skip
+    rows = json.loads(out_json.read_text())["rows"]
+    got = [(r["schedule"], r["m"], r["overlap"]) for r in rows]
+    assert got == [(s, m, o) for s in ("gpipe", "1f1b") for m in (1, 2) for o in ("off", "on")]
+    for r in rows:
+        assert r["step_ms"] > 0 and r["predicted_ms"] > 0 and 0 <= r["bubble"] < 1
+        assert r["theory"] == pytest.approx(1 / (r["m"] + 1))
+        assert r["peak_act"] == (r["m"] if r["schedule"] == "gpipe" else min(2, r["m"]))
+        if r["overlap"] == "off":
+            assert r["hidden"] == 0  # a blocking send hides nothing
+    assert "sized so one transfer costs 30%" in out and "best schedule:" in out
+    assert "torch.distributed.pipelining" in out
