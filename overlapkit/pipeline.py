@@ -258,10 +258,17 @@ class _Run:
         self.grad_recv[k] = (buf, p2p.irecv(buf, self.next))
 
     def _send(self, tensor: torch.Tensor, dst: int, name: str) -> None:
-        handle = p2p.isend(tensor, dst)
+        # the tensor must live until sent
+        self.sends.append((tensor, p2p.isend(tensor, dst), time.perf_counter(), name))
+
+    def _waited(self, handle, start: float, name: str) -> None:
+        """Wait for a send; its span ends when its last byte left the (emulated) link,
+        which may be well before this wait, or else when the wait returned."""
+        handle.wait()
         if self.timeline is not None:
-            handle = self.timeline.track(name, handle, "comm")
-        self.sends.append((tensor, handle))  # the tensor must live until sent
+            now = time.perf_counter()
+            left = getattr(handle, "_done_at", 0.0)
+            self.timeline.add(name, start, min(now, left) if left > start else now, "comm")
 
     def _serialise(self) -> None:
         """Without overlap, a stage computes only once its sends have arrived. (It waits
@@ -269,8 +276,8 @@ class _Run:
         send with the next receive: where a send completes only when the peer receives,
         1F1B's crossing sends would otherwise wait for each other forever.)"""
         if not self.overlap:
-            for _, handle in self.sends:
-                handle.wait()
+            for _, handle, start, name in self.sends:
+                self._waited(handle, start, name)
             self.sends.clear()
 
     def _span(self, name: str, start: float) -> None:
@@ -345,8 +352,8 @@ class _Run:
 
     # ------------------------------------------------------------ end
     def finish(self) -> None:
-        for _, handle in self.sends:
-            handle.wait()
+        for _, handle, start, name in self.sends:
+            self._waited(handle, start, name)
         self.sends.clear()
         if self.act_recv or self.grad_recv:
             left = sorted(self.act_recv) + sorted(self.grad_recv)

@@ -11,6 +11,7 @@ from .lab00 import check_fit_alpha_beta, check_ping_pong
 from .lab01 import check_bytes_moved
 from .lab04 import check_zero1_step
 from .lab05 import check_overlapped_step, check_timed_step
+from .pipeline import check_1f1b_schedule, check_gpipe_step
 from .report import Report
 
 __all__ = [
@@ -27,4 +28,6 @@ __all__ = [
     "check_hook_ddp",
     "check_assign_buckets",
     "check_bucketed_ddp",
+    "check_1f1b_schedule",
+    "check_gpipe_step",
 ]
