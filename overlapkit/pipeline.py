@@ -213,13 +213,13 @@ class _Run:
     def _refuse(self, why: str) -> None:
         """Stage 0 tells the next stage that it refused the step, so nobody waits for it."""
         if self.st.first and self.next is not None:
-            header = torch.zeros(_HEADER, dtype=torch.int64)
+            header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
             header[0] = -1
             p2p.send(header, self.next)
         raise PipelineError(f"stage {self.st.stage}: {why}")
 
     def _receive_header(self) -> None:
-        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
         p2p.recv(header, self.prev)
         status, batch, m, dtype, ndim = header[:5].tolist()
         if status < 0:
@@ -238,11 +238,11 @@ class _Run:
         self.act_shape = tuple(header[5 : 5 + ndim].tolist())  # per sample
 
     def _send_header(self, out: torch.Tensor) -> None:
-        header = torch.zeros(_HEADER, dtype=torch.int64)
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
         header[1], header[2] = self.batch, self.m
         header[3] = _DTYPES.index(out.dtype)
         header[4] = out.dim() - 1
-        header[5 : 5 + out.dim() - 1] = torch.tensor(out.shape[1:])
+        header[5 : 5 + out.dim() - 1] = torch.tensor(out.shape[1:], device=self.device)
         p2p.send(header, self.next)
 
     # ------------------------------------------------------------ transfers

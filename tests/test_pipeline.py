@@ -137,3 +137,26 @@ def test_a_step_records_compute_and_send_spans():
     assert [n for n, lane in first if lane == "compute"] == "F0 F1 B0 F2 B1 F3 B2 B3".split()
     assert [n for n, lane in first if lane == "comm"] == [f"act {k}" for k in range(4)]
     assert [n for n, lane in last if lane == "comm"] == [f"grad {k}" for k in range(4)]
+
+
+def _on_cuda():
+    s, p = ok.rank(), ok.world_size()
+    device = ok.device()
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(BATCH, 6, generator=gen), torch.randn(BATCH, 3, generator=gen)
+    full = _model()
+    torch.nn.functional.mse_loss(full(x), y).backward()
+    lo, hi = CUTS[p][s], CUTS[p][s + 1]
+    piece = _model()[lo:hi].to(device)
+    PipelineStage(piece).step(x.to(device) if s == 0 else None,
+                              y.to(device) if s == p - 1 else None,
+                              torch.nn.functional.mse_loss, 4, "1f1b", True)  # fmt: skip
+    pairs = zip(piece.parameters(), full[lo:hi].parameters(), strict=True)
+    return max((q.grad.cpu() - w.grad).abs().max().item() for q, w in pairs)
+
+
+@pytest.mark.gpu
+def test_on_two_gpus_1f1b_gives_one_devices_gradients():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs: one stage per GPU")
+    assert all(d < 1e-5 for d in ok.launch(_on_cuda, world_size=2, timeout=120))
