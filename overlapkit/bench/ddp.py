@@ -31,18 +31,14 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
-import tempfile
-import threading
 import time
 
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
 
 from .. import costmodel, ddp, p2p, runtime
-from ..launcher import launch
 from ..timeline import COMM, COMPUTE, Timeline
+from .progress import launch_with_progress
 from .table import format_table, write
 
 
@@ -82,18 +78,6 @@ def _calibrate(model_fn, width: int, link, batch: int | None, ratio: float):
 BACKWARD_PER_ALL_REDUCE = 1.0
 
 
-class _Progress:
-    """Rank 0 appends a line per finished step to a file that the parent's bar follows."""
-
-    def __init__(self, path):
-        self.path = path
-
-    def tick(self):
-        if self.path and runtime.rank() == 0:
-            with open(self.path, "a") as f:
-                f.write(".")
-
-
 def _configs(bucket_sweep, torch_ddp: bool):
     configs = [("naive", None), ("overlap", None)]
     configs += [("bucketed", mb) for mb in bucket_sweep]
@@ -122,11 +106,10 @@ def _build(kind, mb, spec, link, timeline):
     return wrapped
 
 
-def _rank_bench(spec, bucket_sweep, reps, warmup, batch, ratio, torch_ddp, progress_path):
+def _rank_bench(spec, bucket_sweep, reps, warmup, batch, ratio, torch_ddp, progress):
     layers, width, _ = spec
     link = p2p.current_link()
     world = runtime.world_size()
-    progress = _Progress(progress_path)
     dev = runtime.device()
     batch, full, host = _calibrate(lambda: make_model(*spec).to(dev), width, link, batch, ratio)
     gen = torch.Generator().manual_seed(runtime.rank())
@@ -210,18 +193,6 @@ def _union_length(spans) -> float:
     return length((s.start, s.end) for s in spans)
 
 
-def _follow(path: str, bar: tqdm, stop: threading.Event) -> None:
-    seen = 0
-    while not stop.wait(0.2):
-        try:
-            size = os.path.getsize(path)
-        except OSError:
-            continue
-        if size > seen:
-            bar.update(size - seen)
-            seen = size
-
-
 def _model_terms(result, link):
     """α and β for the prediction: the link's own; without a link, β from the full
     AllReduce (what is left after the host's per-operation cost)."""
@@ -253,22 +224,11 @@ def run(
     if any(not mb > 0 for mb in bucket_sweep):
         raise ValueError(f"bucket sizes must be positive MiB, got {list(bucket_sweep)}")
     total = len(_configs(bucket_sweep, torch_ddp)) * (warmup + reps)
-    progress = tempfile.NamedTemporaryFile(prefix="overlapkit-bench-ddp-", delete=False)
-    progress.close()
-    stop = threading.Event()
-    with tqdm(total=total, desc="bench ddp", unit="step", file=sys.stderr) as bar:
-        follower = threading.Thread(target=_follow, args=(progress.name, bar, stop), daemon=True)
-        follower.start()
-        try:
-            result = launch(
-                _rank_bench, (layers, width, bias), list(bucket_sweep), reps, warmup, batch,
-                backward_ratio, torch_ddp, progress.name, world_size=world, link=link,
-                quiet=True, timeout=1800,
-            )[0]  # fmt: skip
-        finally:
-            stop.set()
-            follower.join()
-            os.unlink(progress.name)
+    result = launch_with_progress(
+        _rank_bench, (layers, width, bias), list(bucket_sweep), reps, warmup, batch,
+        backward_ratio, torch_ddp, total=total, desc="bench ddp", world_size=world, link=link,
+        quiet=True, timeout=1800,
+    )[0]  # fmt: skip
     profile = result["profile"]
     alpha, beta = _model_terms(result, link)
     host = result["host"]

@@ -24,22 +24,16 @@ without a link, where this PyTorch build supports them on this backend.
 
 from __future__ import annotations
 
-import os
 import statistics
-import sys
-import tempfile
-import threading
 import time
 
 import torch
 import torch.distributed as dist
-from tqdm.auto import tqdm
 
 from .. import costmodel, p2p, runtime
-from ..launcher import launch
 from ..pipeline import PipelineStage, make_schedule
 from ..timeline import COMM, COMPUTE, Timeline, intersect, length, union
-from .ddp import _follow, _Progress
+from .progress import launch_with_progress
 from .table import format_table, write
 
 P = 2  # stages
@@ -93,10 +87,9 @@ def _measure(tl: Timeline, stage: int, step: float) -> tuple[float, float]:
     return 1 - busy / step, hidden
 
 
-def _rank_bench(layers, width, batch, micro, schedules, reps, warmup, share, progress_path,
-                torch_compare):  # fmt: skip
+def _rank_bench(layers, width, batch, micro, schedules, reps, warmup, share, torch_compare,
+                progress):  # fmt: skip
     s = runtime.rank()
-    progress = _Progress(progress_path)
     stage_mod = make_stage(s, layers, width)
     sizes = [n for m in micro for n in (batch // m, -(-batch // m))] + [batch]
     compute = _time_compute(stage_mod, width, sizes, last=s == P - 1)
@@ -206,22 +199,11 @@ def run(layers: int = 8, width: int = 512, batch: int = 512, micro=(1, 2, 4, 8),
     if any(m > batch for m in micro):
         raise ValueError(f"micro-batch counts {list(micro)} exceed the batch ({batch})")
     total = len(_configs(micro, schedules)) * (warmup + reps)
-    progress = tempfile.NamedTemporaryFile(prefix="overlapkit-bench-pipe-", delete=False)
-    progress.close()
-    stop = threading.Event()
-    with tqdm(total=total, desc="bench pipeline", unit="step", file=sys.stderr) as bar:
-        follower = threading.Thread(target=_follow, args=(progress.name, bar, stop), daemon=True)
-        follower.start()
-        try:
-            result = launch(
-                _rank_bench, layers, width, batch, list(micro), list(schedules), reps, warmup,
-                0.0 if link is not None else transfer_share, progress.name, torch_compare,
-                world_size=P, link=link, quiet=True, timeout=1800,
-            )[0]  # fmt: skip
-        finally:
-            stop.set()
-            follower.join()
-            os.unlink(progress.name)
+    result = launch_with_progress(
+        _rank_bench, layers, width, batch, list(micro), list(schedules), reps, warmup,
+        0.0 if link is not None else transfer_share, torch_compare, total=total,
+        desc="bench pipeline", world_size=P, link=link, quiet=True, timeout=1800,
+    )[0]  # fmt: skip
     link = result["link"]
     compute = result["compute"]
     print(

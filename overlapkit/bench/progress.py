@@ -1,0 +1,55 @@
+"""A progress bar for benchmarks that run inside ``ok.launch``: rank 0 ticks a file, the
+parent's bar follows it (rank output is shown only after a launch ends)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+
+from tqdm.auto import tqdm
+
+from .. import runtime
+from ..launcher import launch
+
+
+class Progress:
+    """Handed to the ranks: ``tick()`` on rank 0 advances the parent's bar by one."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+
+    def tick(self) -> None:
+        if self.path and runtime.rank() == 0:
+            with open(self.path, "a") as f:
+                f.write(".")
+
+
+def _follow(path: str, bar: tqdm, stop: threading.Event) -> None:
+    seen = 0
+    while not stop.wait(0.2):
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            continue
+        if size > seen:
+            bar.update(size - seen)
+            seen = size
+
+
+def launch_with_progress(fn, *args, total: int, desc: str, **launch_kwargs):
+    """``ok.launch(fn, *args, Progress(...), **launch_kwargs)`` (the progress handle is
+    the last positional argument) with a tqdm bar of ``total`` steps on stderr."""
+    path = tempfile.NamedTemporaryFile(prefix="overlapkit-bench-", delete=False)
+    path.close()
+    stop = threading.Event()
+    with tqdm(total=total, desc=desc, unit="step", file=sys.stderr) as bar:
+        follower = threading.Thread(target=_follow, args=(path.name, bar, stop), daemon=True)
+        follower.start()
+        try:
+            return launch(fn, *args, Progress(path.name), **launch_kwargs)
+        finally:
+            stop.set()
+            follower.join()
+            os.unlink(path.name)
