@@ -18,13 +18,45 @@ SCHEDULE_CASES = [(2, 4), (2, 1), (3, 4), (4, 6), (4, 2), (2, 7)]
 def _as_strings(plan) -> list[list[str]] | None:
     if not isinstance(plan, (list, tuple)) or not all(isinstance(s, (list, tuple)) for s in plan):
         return None
-    return [[str(a) for a in stage] for stage in plan]
+    return [list(stage) for stage in plan]
 
 
 def check_1f1b_schedule(one_f_one_b) -> Report:
     """Check ``one_f_one_b(stages, micro_batches)`` → per stage a list like ["F0", "F1", "B0", …]
     against the textbook 1F1B order (warm-up forwards, one forward one backward, drain)."""
     report = Report("1f1b_schedule")
+    with _Forbidden() as library:
+        _check_schedules(report, one_f_one_b)
+    if library.called:
+        report.fail(
+            "your function called ok.pipeline.make_schedule, the kit's own answer: build the "
+            "lists yourself"
+        )
+    return report
+
+
+class _Forbidden:
+    """Notices calls of the kit's schedule builder while the learner's function runs."""
+
+    called = False
+
+    def __enter__(self):
+        from .. import pipeline  # noqa: PLC0415
+
+        self._module, self._original = pipeline, pipeline.make_schedule
+
+        def make_schedule(*args, **kwargs):
+            self.called = True
+            return self._original(*args, **kwargs)
+
+        pipeline.make_schedule = make_schedule
+        return self
+
+    def __exit__(self, *exc):
+        self._module.make_schedule = self._original
+
+
+def _check_schedules(report: Report, one_f_one_b) -> None:
     for p, m in SCHEDULE_CASES:
         want = [[str(a) for a in stage] for stage in make_schedule("1f1b", p, m)]
         what = f"{p} stages, {m} micro-batch{'es' if m > 1 else ''}"
@@ -37,6 +69,13 @@ def check_1f1b_schedule(one_f_one_b) -> Report:
         got = _as_strings(plan)
         if got is None:
             report.fail(f"{what}: return one list of actions per stage, e.g. [['F0', 'B0'], …]")
+            continue
+        odd = next((a for stage in got for a in stage if not isinstance(a, str)), None)
+        if odd is not None:
+            report.fail(
+                f"{what}: the actions must be strings like 'F0' and 'B3'; got {odd!r} "
+                f"({type(odd).__name__})"
+            )
             continue
         if len(got) != p:
             report.fail(f"{what}: {len(got)} lists; one per stage makes {p}")
@@ -69,13 +108,19 @@ def _schedule_hint(got, want, s, p, m) -> str:
             + (f"; not expected {extra}" if extra else "")
             + "."
         )
-    warm = next((i for i, a in enumerate(got) if a.startswith("B")), len(got))
-    right = min(p - s - 1, m)
-    if warm != right:
+    ran = next((i for i, a in enumerate(got) if a.startswith("B")), len(got))
+    right = next((i for i, a in enumerate(want) if a.startswith("B")), len(want))
+    warm = min(p - s - 1, m)
+    if ran != right:
         return (
-            f" Stage {s} ran {warm} forward(s) before its first backward; 1F1B warms up with "
-            f"min(p − s − 1, m) = {right}: enough to fill the stages after it, no more (more "
-            "holds more activations)."
+            f" Stage {s} ran {ran} forward(s) before its first backward; 1F1B runs {right}: a "
+            f"warm-up of min(p − s − 1, m) = {warm}"
+            + (", then the steady state's first forward" if warm < m else "")
+            + (
+                " — enough to fill the stages after it, no more (more holds more activations)."
+                if ran > right
+                else ": each steady step runs its forward first, then the oldest backward."
+            )
         )
     return (
         " After the warm-up, alternate: one forward, then one backward (the oldest "
@@ -99,17 +144,18 @@ def _stages():
 
 
 class _Watch:
-    """Wraps ``ok.p2p.send/isend`` while the learner's step runs: when each send started
-    and when it was waited, and whether it was a blocking send."""
+    """Wraps ``ok.p2p``'s sends and receives while the learner's step runs: when each send
+    started and was waited, which were blocking, and how the receives were made."""
 
     def __init__(self):
         self.sends: list[dict] = []
+        self.recvs: list[dict] = []
 
     def __enter__(self):
         from .. import p2p  # noqa: PLC0415
 
         self._p2p = p2p
-        self._orig = (p2p.isend, p2p.send)
+        self._orig = (p2p.isend, p2p.send, p2p.irecv, p2p.recv)
         watch = self
 
         def isend(tensor, dst, group=None):
@@ -132,11 +178,19 @@ class _Watch:
             watch._orig[0](tensor, dst, group).wait()
             watch.sends.append({"start": start, "waited": time.perf_counter(), "blocking": True})
 
-        p2p.isend, p2p.send = isend, send
+        def irecv(tensor, src, group=None):
+            watch.recvs.append({"posted": time.perf_counter(), "blocking": False})
+            return watch._orig[2](tensor, src, group)
+
+        def recv(tensor, src, group=None):
+            watch.recvs.append({"posted": time.perf_counter(), "blocking": True})
+            watch._orig[2](tensor, src, group).wait()
+
+        p2p.isend, p2p.send, p2p.irecv, p2p.recv = isend, send, irecv, recv
         return self
 
     def __exit__(self, *exc):
-        self._p2p.isend, self._p2p.send = self._orig
+        self._p2p.isend, self._p2p.send, self._p2p.irecv, self._p2p.recv = self._orig
 
 
 def _run_step(gpipe_step, m):
@@ -146,9 +200,13 @@ def _run_step(gpipe_step, m):
     model, first, second = _stages()
     gen = torch.Generator().manual_seed(4)
     x, y = torch.randn(BATCH, 6, generator=gen), torch.randn(BATCH, 3, generator=gen)
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    want = [p.grad.clone() for p in (first if me == 0 else second).parameters()]
-    model.zero_grad()
+    mine = first if me == 0 else second
+    want = _grads(model, mine, x, y, [len(y)])
+    # what two common weighting mistakes give: each micro-batch's mean added as it is,
+    # or divided by m (right only when every micro-batch has the same size)
+    sizes = [len(c) for c in torch.tensor_split(y, m)]
+    unweighted = _grads(model, mine, x, y, sizes)
+    by_m = [g / m for g in unweighted]
     stage = first if me == 0 else second
     handles.take_unwaited()
     computes = []
@@ -166,7 +224,22 @@ def _run_step(gpipe_step, m):
     got = [None if p.grad is None else p.grad.clone() for p in stage.parameters()]
     names = [n for n, _ in stage.named_parameters()]
     return {"got": got, "want": want, "names": names, "sends": watch.sends,
-            "computes": computes, "unwaited": handles.take_unwaited()}  # fmt: skip
+            "recvs": watch.recvs, "computes": computes, "unwaited": handles.take_unwaited(),
+            "unweighted": unweighted, "by_m": by_m}  # fmt: skip
+
+
+def _grads(model, part, x, y, sizes) -> list[torch.Tensor]:
+    """``part``'s gradients of the sum over micro-batches (of ``sizes``) of each one's mean
+    loss: one micro-batch of the whole batch is the right answer."""
+    model.zero_grad()
+    loss = sum(
+        torch.nn.functional.mse_loss(model(xs), ys)
+        for xs, ys in zip(torch.split(x, sizes), torch.split(y, sizes), strict=True)
+    )
+    loss.backward()
+    grads = [p.grad.clone() for p in part.parameters()]
+    model.zero_grad()
+    return grads
 
 
 def check_gpipe_step(gpipe_step, micro_batches: int = 4, timeout: float = 30.0) -> Report:
@@ -182,6 +255,14 @@ def check_gpipe_step(gpipe_step, micro_batches: int = 4, timeout: float = 30.0) 
         if results is None:
             return report
         if not _compare(report, results, m):
+            return report
+    for rank, (_, traffic) in enumerate(results):
+        if traffic.direct:
+            called = ", ".join(sorted(set(traffic.direct)))
+            report.fail(
+                f"rank {rank} called {called}: use ok.p2p.isend / irecv / send / recv — only "
+                "the kit's messages go over the emulated link (and only they are seen here)"
+            )
             return report
     sends = results[0][0]["sends"]
     computes = results[0][0]["computes"]
@@ -210,16 +291,31 @@ def check_gpipe_step(gpipe_step, micro_batches: int = 4, timeout: float = 30.0) 
             "overlaps. Wait for the sends after the last forward (before the backwards)"
         )
         return report
+    rank1 = results[1][0]
+    if any(r["blocking"] for r in rank1["recvs"]):
+        report.fail(
+            "rank 1 received the activations with blocking ok.p2p.recv, one at a time: post "
+            "every receive first with ok.p2p.irecv, so that each arrives while rank 1 computes "
+            "the one before"
+        )
+        return report
+    if any(s["blocking"] for s in rank1["sends"]):
+        report.fail(
+            "rank 1 sent the gradients back with a blocking ok.p2p.send: each backward waited "
+            "for the previous gradient to cross the link. Use ok.p2p.isend and wait at the end"
+        )
+        return report
     report.ok(
-        f"rank 0's {len(sends)} activation sends were in flight during its next forwards, "
-        "every one waited"
+        f"rank 0's {len(sends)} activation sends were in flight during its next forwards; "
+        f"rank 1 posted its {len(rank1['recvs'])} receives ahead and sent its gradients "
+        "without blocking; every one waited"
     )
     return report
 
 
 def _compare(report: Report, results, m: int) -> bool:
     for rank, (res, _) in enumerate(results):
-        for name, g, w in zip(res["names"], res["got"], res["want"], strict=True):
+        for k, (name, g, w) in enumerate(zip(res["names"], res["got"], res["want"], strict=True)):
             if g is None:
                 report.fail(
                     f"m={m}: rank {rank}'s {name}.grad is None after the step: did backward run "
@@ -235,13 +331,17 @@ def _compare(report: Report, results, m: int) -> bool:
             diff = (g - w).abs()
             if diff.max() > 1e-5:
                 i = int(diff.argmax())
-                ratio = (g.reshape(-1)[i] / w.reshape(-1)[i]).item() if w.reshape(-1)[i] else 0.0
                 hint = ""
-                if m > 1 and 0.6 * m < ratio < 1.4 * m:
+                if torch.allclose(g, res["unweighted"][k], atol=1e-5) and m > 1:
                     hint = (
-                        f" That is {ratio:.3g}× the right one, about m = {m} times: each "
-                        "micro-batch's mean loss was added as it is — weight each micro-batch's "
-                        "loss by its share of the batch (its size / the batch)."
+                        " That is what adding each micro-batch's mean loss as it is gives: "
+                        "weight each by its share of the batch (its size / the batch)."
+                    )
+                elif torch.allclose(g, res["by_m"][k], atol=1e-5):
+                    hint = (
+                        " That is what dividing each micro-batch's mean loss by m gives: right "
+                        "only when the micro-batches have the same size (here they do not) — "
+                        "weight each by its size / the batch."
                     )
                 report.fail(
                     f"m={m}: rank {rank}'s {name}.grad[{i}] is {g.reshape(-1)[i].item():.6g}; one "
@@ -253,6 +353,12 @@ def _compare(report: Report, results, m: int) -> bool:
 
 
 def _explain(text: str) -> str:
+    if "posted a receive of" in text:
+        return (
+            " Each receive must match, in shape and order, what the other rank sends: rank 1 "
+            "gets micro-batch k's activation, (its size, 16), in micro-batch order; rank 0 "
+            "gets the gradients in the order rank 1 sends them (micro-batch 0 first)."
+        )
     if "'NoneType' object has no attribute" in text:
         return (
             " A gradient to send back was None: on rank 1, call requires_grad_() on the "
