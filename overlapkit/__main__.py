@@ -84,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     bp.add_argument("--width", type=int, default=512)
     bp.add_argument("--batch", type=int, default=512)
     bp.add_argument("--micro", default="1,2,4,8", help="micro-batch counts")
-    bp.add_argument("--schedules", default="sequential,gpipe,1f1b")
+    bp.add_argument(
+        "--schedules",
+        default="sequential,gpipe,1f1b,1f1b+1",
+        help="1f1b+N: 1F1B with N extra warm-up forwards",
+    )
     bp.add_argument(
         "--link",
         default=None,

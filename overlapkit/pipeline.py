@@ -57,16 +57,27 @@ class Action:
     __repr__ = __str__
 
 
-def make_schedule(name: str, stages: int, micro_batches: int) -> list[list[Action]]:
+def make_schedule(name: str, stages: int, micro_batches: int,
+                  extra_warmup: int = 0) -> list[list[Action]]:  # fmt: skip
     """Each stage's actions, in the order it runs them.
 
     * ``"sequential"``: the whole batch as one micro-batch: F0, B0;
     * ``"gpipe"``: all forwards, then all backwards (F0 … F(m−1), B0 … B(m−1));
     * ``"1f1b"``: stage s runs min(p−s−1, m) warm-up forwards, then alternates one
       forward and one backward, then drains the remaining backwards.
+
+    ``extra_warmup`` (1F1B only) adds warm-up forwards on every stage but the last. Each
+    1F1B micro-batch waits for a round trip — its activation out, its gradient back —
+    so when transfers are slow, one more micro-batch in flight keeps the stages busy
+    (at the price of holding its activations too)::
+
+        1f1b       stage 0 |F0|F1|  |B0|F2|  |B1|…     waits for the round trip
+        1f1b, +1   stage 0 |F0|F1|F2|B0|F3|B1|F4|…     the next forward fills it
     """
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
+    if extra_warmup < 0:
+        raise ValueError(f"extra_warmup must be ≥ 0, got {extra_warmup}")
     if stages < 1 or micro_batches < 1:
         raise ValueError(f"stages and micro_batches must be ≥ 1, got {stages} and {micro_batches}")
     m = 1 if name == "sequential" else micro_batches
@@ -75,7 +86,7 @@ def make_schedule(name: str, stages: int, micro_batches: int) -> list[list[Actio
         if name in ("sequential", "gpipe"):
             out.append([Action("F", k) for k in range(m)] + [Action("B", k) for k in range(m)])
             continue
-        warmup = min(stages - s - 1, m)
+        warmup = min(stages - s - 1 + (extra_warmup if s < stages - 1 else 0), m)
         acts = [Action("F", k) for k in range(warmup)]
         for k in range(m - warmup):
             acts += [Action("F", warmup + k), Action("B", k)]
@@ -134,12 +145,13 @@ class PipelineStage:
 
     # ------------------------------------------------------------ the step
     def step(self, inputs=None, targets=None, loss_fn=None, micro_batches: int = 1,
-             schedule: str = "1f1b", overlap: bool = True,
-             timeline=None) -> StepResult:  # fmt: skip
+             schedule: str = "1f1b", overlap: bool = True, timeline=None,
+             extra_warmup: int = 0) -> StepResult:  # fmt: skip
         """Run one training step's forwards and backwards (gradients accumulate into the
         stage module's ``.grad``; call the optimizer after). Stage 0 gives ``inputs``; the
-        last stage gives ``targets`` and ``loss_fn(output, target)`` (a mean over samples)."""
-        run = _Run(self, schedule, micro_batches, overlap, timeline)
+        last stage gives ``targets`` and ``loss_fn(output, target)`` (a mean over samples).
+        ``extra_warmup``: see :func:`make_schedule`."""
+        run = _Run(self, schedule, micro_batches, overlap, timeline, extra_warmup)
         try:
             run.start(inputs, targets, loss_fn)
             for action in run.plan:
@@ -154,7 +166,8 @@ class PipelineStage:
 class _Run:
     """The state of one step on one stage."""
 
-    def __init__(self, stage: PipelineStage, schedule: str, m: int, overlap: bool, timeline):
+    def __init__(self, stage: PipelineStage, schedule: str, m: int, overlap: bool, timeline,
+                 extra_warmup: int = 0):  # fmt: skip
         self.st = stage
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
@@ -162,7 +175,7 @@ class _Run:
             raise ValueError(f"micro_batches must be a positive int, got {m!r}")
         self.schedule_name = schedule
         self.m = 1 if schedule == "sequential" else m
-        self.plan = make_schedule(schedule, stage.stages, self.m)[stage.stage]
+        self.plan = make_schedule(schedule, stage.stages, self.m, extra_warmup)[stage.stage]
         self.overlap = overlap
         self.timeline = timeline
         self.prev = None if stage.first else stage.ranks[stage.stage - 1]

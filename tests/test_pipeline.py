@@ -160,3 +160,18 @@ def test_on_two_gpus_1f1b_gives_one_devices_gradients():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs: one stage per GPU")
     assert all(d < 1e-5 for d in ok.launch(_on_cuda, world_size=2, timeout=120))
+
+
+def test_an_extra_warm_up_adds_forwards_on_every_stage_but_the_last():
+    plan = make_schedule("1f1b", 2, 4, extra_warmup=1)
+    assert (
+        format_schedule(plan)
+        == "stage 0: F0 F1 F2 B0 F3 B1 B2 B3\nstage 1: F0 B0 F1 B1 F2 B2 F3 B3"
+    )
+
+
+def test_an_extra_warm_up_hides_the_round_trip_of_slow_transfers_in_the_model():
+    args = ([1.4, 1.4], [2.7, 2.7], 1.23, True)
+    plain = ok.costmodel.pipeline_step(make_schedule("1f1b", 2, 8), *args)["step"]
+    extra = ok.costmodel.pipeline_step(make_schedule("1f1b", 2, 8, extra_warmup=1), *args)["step"]
+    assert extra < 0.9 * plain

@@ -17,6 +17,10 @@ rounds after ``warmup``:
 * peak_act: the most micro-batches whose activations a stage held at once;
 * predicted_ms: ``ok.costmodel.pipeline_step`` from the timed compute and the link.
 
+``1f1b+1`` is 1F1B with one extra warm-up forward on stage 0: with slow transfers each
+1F1B micro-batch waits for a round trip (activation out, gradient back), and one more
+micro-batch in flight fills that wait — for one more micro-batch's activations held.
+
 ``torch.distributed.pipelining``'s GPipe and 1F1B run on the same split without a
 link (its messages do not go through the kit's link), beside the kit's schedules
 without a link, where this PyTorch build supports them on this backend.
@@ -69,6 +73,12 @@ def _time_compute(stage_mod, width: int, sizes, last: bool, reps: int = 5) -> di
     return out
 
 
+def _parse(schedule: str) -> tuple[str, int]:
+    """``"1f1b+1"`` → ("1f1b", 1): 1F1B with one extra warm-up forward."""
+    name, _, extra = schedule.partition("+")
+    return name, int(extra or 0)
+
+
 def _configs(micro, schedules):
     rows = []
     for schedule in schedules:
@@ -119,8 +129,10 @@ def _rank_bench(layers, width, batch, micro, schedules, reps, warmup, share, tor
             stage = PipelineStage(stage_mod)
             dist.barrier()
             start = time.perf_counter()
+            name, warm = _parse(schedule)
             res = stage.step(x if s == 0 else None, y if s == P - 1 else None,
-                             torch.nn.functional.mse_loss, m, schedule, overlap, tl)  # fmt: skip
+                             torch.nn.functional.mse_loss, m, name, overlap, tl,
+                             warm)  # fmt: skip
             end = time.perf_counter()
             stage_mod.zero_grad(set_to_none=True)
             marks[0], marks[1] = start, end
@@ -193,7 +205,7 @@ def _torch_pipelining(stage_mod, x, y, micro, reps, warmup) -> dict:
 
 
 def run(layers: int = 8, width: int = 512, batch: int = 512, micro=(1, 2, 4, 8),
-        schedules=("sequential", "gpipe", "1f1b"), link=None, transfer_share: float = 0.3,
+        schedules=("sequential", "gpipe", "1f1b", "1f1b+1"), link=None, transfer_share: float = 0.3,
         reps: int = 5, warmup: int = 1, torch_compare: bool = True, csv_path=None,
         json_path=None) -> list[dict]:  # fmt: skip
     if any(m > batch for m in micro):
@@ -226,7 +238,8 @@ def run(layers: int = 8, width: int = 512, batch: int = 512, micro=(1, 2, 4, 8),
         t_b = [statistics.mean(comp[b][1] for b in sizes) for comp in compute]
         nbytes = max(sizes) * width * 4
         t_c = link.message_time(nbytes) if link else 0.0
-        plan = make_schedule(schedule, P, m)
+        name, extra = _parse(schedule)
+        plan = make_schedule(name, P, m, extra)
         predicted = costmodel.pipeline_step(plan, t_f, t_b, t_c, overlap)
         hidden = [h for _, h, _ in per_stage if h == h]
         rows.append(
