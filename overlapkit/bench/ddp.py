@@ -29,7 +29,6 @@ be told apart from its waiting.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
@@ -37,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from .. import costmodel, ddp, p2p, runtime
-from ..timeline import COMM, COMPUTE, Timeline
-from .progress import launch_with_progress
+from ..timeline import COMM, COMPUTE, Timeline, length
+from .progress import launch_with_progress, slowest
 from .table import format_table, write
 
 
@@ -132,8 +131,6 @@ def _rank_bench(spec, bucket_sweep, reps, warmup, batch, ratio, torch_ddp, progr
     wrappers = {c: _build(*c, spec, link, timelines[c]) for c in configs}
     optimizers = {c: torch.optim.SGD(w.parameters(), lr=1e-4) for c, w in wrappers.items()}
     steps = {c: [] for c in configs}
-    marks = torch.zeros(2, dtype=torch.float64, device=dev)
-    shared_clock = "OVERLAPKIT_RANK" in os.environ
     last_round = {}
     for i in range(warmup + reps):
         for c in configs:
@@ -154,10 +151,9 @@ def _rank_bench(spec, bucket_sweep, reps, warmup, batch, ratio, torch_ddp, progr
             opt.zero_grad(set_to_none=True)
             _sync()
             end = time.perf_counter()
-            marks[0], marks[1] = (start, end) if shared_clock else (0.0, end - start)
-            dist.all_reduce(marks, op=dist.ReduceOp.MAX)
+            step = slowest(start, end, dev)
             if i >= warmup:
-                steps[c].append((marks[1] - marks[0]).item())
+                steps[c].append(step)
                 last_round[c] = Timeline(spans=tl.spans[n_before:])
             progress.tick()
     if runtime.rank() != 0:
@@ -170,7 +166,7 @@ def _rank_bench(spec, bucket_sweep, reps, warmup, batch, ratio, torch_ddp, progr
             {
                 "config": c,
                 "step": statistics.median(steps[c]),
-                "comm": _union_length(comm),
+                "comm": length((s.start, s.end) for s in comm),
                 "hidden": None if c[0] == "torch" else tl.hidden_fraction(),
                 "overlap": None if c[0] == "torch" else tl.overlap_ratio(),
                 "buckets": len(wrappers[c].buckets) if c[0] != "torch" else None,
@@ -185,12 +181,6 @@ def _rank_bench(spec, bucket_sweep, reps, warmup, batch, ratio, torch_ddp, progr
         "full": full,
         "host": host,
     }
-
-
-def _union_length(spans) -> float:
-    from ..timeline import length
-
-    return length((s.start, s.end) for s in spans)
 
 
 def _model_terms(result, link):

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from .. import costmodel, p2p, runtime
 from ..pipeline import PipelineStage, make_schedule
 from ..timeline import COMM, COMPUTE, Timeline, intersect, length, union
-from .progress import launch_with_progress
+from .progress import launch_with_progress, slowest
 from .table import format_table, write
 
 P = 2  # stages
@@ -119,7 +119,6 @@ def _rank_bench(layers, width, batch, micro, schedules, reps, warmup, share, tor
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen)
     configs = _configs(micro, schedules)
-    marks = torch.zeros(2, dtype=torch.float64)
     times = {c: [] for c in configs}
     extra = {c: None for c in configs}
     for i in range(warmup + reps):
@@ -135,9 +134,7 @@ def _rank_bench(layers, width, batch, micro, schedules, reps, warmup, share, tor
                              warm)  # fmt: skip
             end = time.perf_counter()
             stage_mod.zero_grad(set_to_none=True)
-            marks[0], marks[1] = start, end
-            dist.all_reduce(marks, op=dist.ReduceOp.MAX)
-            step = (marks[1] - marks[0]).item()
+            step = slowest(start, end)
             if i >= warmup:
                 times[c].append(step)
                 bubble, hidden = _measure(tl, s, end - start)

@@ -53,3 +53,17 @@ def launch_with_progress(fn, *args, total: int, desc: str, **launch_kwargs):
             stop.set()
             follower.join()
             os.unlink(path.name)
+
+
+def slowest(start: float, end: float, device=None) -> float:
+    """Seconds of one iteration across the ranks, from what each rank measured: the ranks of
+    one ``ok.launch`` share the machine's monotonic clock, so it runs from the moment the
+    last rank started to the moment the last rank ended; elsewhere (torchrun across
+    machines) it is the slowest rank's own time. A collective on the default group."""
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    marks = torch.tensor([start, end] if "OVERLAPKIT_RANK" in os.environ else [0.0, end - start],
+                         dtype=torch.float64, device=device)  # fmt: skip
+    dist.all_reduce(marks, op=dist.ReduceOp.MAX)
+    return (marks[1] - marks[0]).item()
