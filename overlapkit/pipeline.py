@@ -29,6 +29,7 @@ by one sample when the batch does not divide evenly).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -377,3 +378,106 @@ class _Run:
         self.sends.clear()
         self.act_recv.clear()
         self.grad_recv.clear()
+
+
+# --------------------------------------------------------------------------- one device
+
+
+def run_on_one_device(stages: list[torch.nn.Module], inputs, targets, loss_fn,
+                      micro_batches: int = 1, schedule: str = "1f1b", timeline=None,
+                      extra_warmup: int = 0) -> StepResult:  # fmt: skip
+    """Every stage in this process, on one device: on a GPU each stage runs on a CUDA
+    stream of its own, ordered by events (F of micro-batch k on stage s waits for F on
+    s−1; B waits for B on s+1), so two stages' kernels run at the same time, as two GPUs
+    would; on a CPU the actions run one after another in the schedule's order (the
+    gradients are the same, nothing overlaps). Returns the last stage's loss and the order
+    the actions were issued in; ``timeline`` gets one lane per stage (CUDA events on a GPU).
+    """
+    p = len(stages)
+    m = 1 if schedule == "sequential" else micro_batches
+    plan = make_schedule(schedule, p, m, extra_warmup)
+    if m > inputs.shape[0]:
+        raise PipelineError(
+            f"micro_batches={m} is larger than the batch ({inputs.shape[0]} samples): each "
+            "micro-batch needs at least one sample"
+        )
+    # issue the actions in the order a pipeline of unit-cost actions would run them
+    from .costmodel import pipeline_step  # noqa: PLC0415 - the simulation gives the order
+
+    order = sorted(pipeline_step(plan, 1.0, 2.0)["spans"], key=lambda a: (a[2], a[0]))
+    device = inputs.device
+    cuda = device.type == "cuda"
+    streams = [torch.cuda.Stream(device) for _ in range(p)] if cuda else [None] * p
+    xs, ys = torch.tensor_split(inputs, m), torch.tensor_split(targets, m)
+    batch = inputs.shape[0]
+    stash: dict = {}  # (stage, k) -> (input, output or loss)
+    ready: dict = {}  # ("act"|"grad", stage, k) -> (tensor, event)
+    losses = []
+    issued = []
+    held = [0] * p
+    peak = 0
+    for s, name, _, _ in order:
+        k = int(name[1:])
+        stream = streams[s]
+        ctx = torch.cuda.stream(stream) if cuda else contextlib.nullcontext()
+        span = (timeline.cuda_span(f"{name}", f"stage {s}", stream) if cuda and timeline
+                else _host_span(timeline, name, f"stage {s}"))  # fmt: skip
+        with ctx:
+            if name[0] == "F":
+                if s == 0:
+                    x = xs[k]
+                else:
+                    x, event = ready.pop(("act", s, k))
+                    if cuda:
+                        stream.wait_event(event)
+                        x.record_stream(stream)
+                    x = x.detach().requires_grad_(True)
+                with span:
+                    out = stages[s](x)
+                    if s == p - 1:
+                        out = loss_fn(out, ys[k]) * (len(ys[k]) / batch)
+                        losses.append(out)
+                stash[(s, k)] = (x, out)
+                held[s] += 1
+                peak = max(peak, held[s])
+                if s < p - 1:
+                    ready[("act", s + 1, k)] = (out, _mark(stream))
+            else:
+                x, out = stash.pop((s, k))
+                held[s] -= 1
+                if s == p - 1:
+                    with span:
+                        out.backward()
+                else:
+                    grad, event = ready.pop(("grad", s, k))
+                    if cuda:
+                        stream.wait_event(event)
+                        grad.record_stream(stream)
+                    with span:
+                        out.backward(grad)
+                if s > 0:
+                    ready[("grad", s - 1, k)] = (x.grad, _mark(stream))
+        issued.append(f"{s}:{name}")
+    if cuda:
+        torch.cuda.synchronize(device)
+    total = sum(loss.item() for loss in losses)
+    return StepResult(p - 1, total, issued, peak_activations=peak,
+                      micro_sizes=[len(x) for x in xs])  # fmt: skip
+
+
+def _mark(stream):
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+@contextlib.contextmanager
+def _host_span(timeline, name: str, lane: str):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if timeline is not None:
+            timeline.add(name, start, time.perf_counter(), lane)

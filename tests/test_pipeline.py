@@ -175,3 +175,55 @@ def test_an_extra_warm_up_hides_the_round_trip_of_slow_transfers_in_the_model():
     plain = ok.costmodel.pipeline_step(make_schedule("1f1b", 2, 8), *args)["step"]
     extra = ok.costmodel.pipeline_step(make_schedule("1f1b", 2, 8, extra_warmup=1), *args)["step"]
     assert extra < 0.9 * plain
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "gpipe", "1f1b"])
+@pytest.mark.parametrize("stages, m", [(2, 1), (2, 4), (3, 7), (3, 8)])
+def test_every_stage_on_one_device_gives_the_same_gradients(schedule, stages, m):
+    from overlapkit.pipeline import run_on_one_device
+
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(BATCH, 6, generator=gen), torch.randn(BATCH, 3, generator=gen)
+    full = _model()
+    loss = torch.nn.functional.mse_loss(full(x), y)
+    loss.backward()
+    split = _model()
+    pieces = [split[CUTS[stages][s] : CUTS[stages][s + 1]] for s in range(stages)]
+    res = run_on_one_device(pieces, x, y, torch.nn.functional.mse_loss, m, schedule)
+    for q, w in zip(split.parameters(), full.parameters(), strict=True):
+        assert torch.allclose(q.grad, w.grad, atol=1e-6)
+    assert res.loss == pytest.approx(loss.item(), rel=1e-5)
+    micro = 1 if schedule == "sequential" else m
+    assert res.peak_activations == (min(stages, micro) if schedule == "1f1b" else micro)
+
+
+def test_one_device_issues_actions_in_a_dependency_order():
+    from overlapkit.pipeline import run_on_one_device
+
+    pieces = [_model()[0:2], _model()[2:5]]
+    res = run_on_one_device(pieces, torch.randn(8, 6), torch.randn(8, 3),
+                            torch.nn.functional.mse_loss, 2, "gpipe")  # fmt: skip
+    assert res.actions == ["0:F0", "0:F1", "1:F0", "1:F1", "1:B0", "0:B0", "1:B1", "0:B1"]
+
+
+def _cuda_streams():
+    from overlapkit.pipeline import run_on_one_device
+
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(BATCH, 6, generator=gen), torch.randn(BATCH, 3, generator=gen)
+    full = _model()
+    torch.nn.functional.mse_loss(full(x), y).backward()
+    split = _model().to(device)
+    pieces = [split[0:2], split[2:5]]
+    tl = ok.Timeline()
+    run_on_one_device(pieces, x.to(device), y.to(device), torch.nn.functional.mse_loss, 4,
+                      "1f1b", timeline=tl)  # fmt: skip
+    pairs = zip(split.parameters(), full.parameters(), strict=True)
+    return max((q.grad.cpu() - w.grad).abs().max().item() for q, w in pairs), tl.lanes()
+
+
+@pytest.mark.gpu
+def test_on_one_gpu_two_streams_give_one_devices_gradients():
+    diff, lanes = _cuda_streams()
+    assert diff < 1e-5 and {"stage 0", "stage 1"} <= set(lanes)
