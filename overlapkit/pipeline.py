@@ -408,6 +408,8 @@ def run_on_one_device(stages: list[torch.nn.Module], inputs, targets, loss_fn,
     device = inputs.device
     cuda = device.type == "cuda"
     streams = [torch.cuda.Stream(device) for _ in range(p)] if cuda else [None] * p
+    for stream in streams if cuda else ():
+        stream.wait_stream(torch.cuda.current_stream(device))  # after the inputs are made
     xs, ys = torch.tensor_split(inputs, m), torch.tensor_split(targets, m)
     batch = inputs.shape[0]
     stash: dict = {}  # (stage, k) -> (input, output or loss)
