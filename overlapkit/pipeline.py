@@ -170,12 +170,10 @@ class _Run:
     def __init__(self, stage: PipelineStage, schedule: str, m: int, overlap: bool, timeline,
                  extra_warmup: int = 0):  # fmt: skip
         self.st = stage
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
         if not isinstance(m, int) or m < 1:
             raise ValueError(f"micro_batches must be a positive int, got {m!r}")
-        self.schedule_name = schedule
         self.m = 1 if schedule == "sequential" else m
+        # an unknown schedule name is refused here, the same on every stage
         self.plan = make_schedule(schedule, stage.stages, self.m, extra_warmup)[stage.stage]
         self.overlap = overlap
         self.timeline = timeline
@@ -184,7 +182,7 @@ class _Run:
         self.stash: dict[int, tuple] = {}  # micro → (input, output or loss)
         self.peak = 0
         self.loss = None
-        self.sends: list = []  # handles of sends not waited yet (overlap)
+        self.sends: list = []  # (tensor, handle, start, name) of sends not waited yet
         self.act_recv: dict[int, tuple] = {}  # micro → (buffer, handle)
         self.grad_recv: dict[int, tuple] = {}
         first = next(stage.module.parameters(), None)
