@@ -6,6 +6,7 @@ Conventional import: ``import overlapkit as ok``.
 from . import builtin, costmodel, diagrams, grading, p2p, pingpong, pipeline, widgets
 from .collectives import (
     CollectiveMismatchError,
+    all_to_all,
     bucketed_all_reduce,
     naive_all_reduce,
     ring_all_gather,
@@ -49,6 +50,7 @@ __all__ = [
     "ring_all_gather",
     "ring_all_reduce",
     "bucketed_all_reduce",
+    "all_to_all",
     "CollectiveMismatchError",
     "builtin",
     "costmodel",

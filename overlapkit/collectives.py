@@ -29,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import hashlib
+import math
 import queue
 import re
 import threading
@@ -666,6 +667,109 @@ def ring_all_reduce(
         _write_back(tensor, flat)
 
     return _run("ring_all_reduce", run, tensor, group, async_op, check, op)
+
+
+# --------------------------------------------------------------------------- all-to-all
+
+
+def _split_sizes(sizes, rows: int, world: int, rank: int, what: str) -> list[int]:
+    """Rows per peer along dim 0 (``None``: equal blocks), checked against ``rows``."""
+    if sizes is None:
+        if rows % world:
+            raise ValueError(
+                f"rank {rank}: all_to_all {what} has {rows} rows, which do not split into "
+                f"{world} equal blocks: give {what}_split_sizes"
+            )
+        return [rows // world] * world
+    sizes = [int(n) for n in sizes]
+    if len(sizes) != world or any(n < 0 for n in sizes) or sum(sizes) != rows:
+        raise ValueError(
+            f"rank {rank}: all_to_all {what}_split_sizes {sizes} must be {world} counts "
+            f"≥ 0 that add up to the {what}'s {rows} rows"
+        )
+    return sizes
+
+
+def _agree_on_sizes(send: list[int], expect: list[int], group, device) -> None:
+    """Each rank tells every peer how many rows it will send it, and checks what it is
+    told against what it expects: a disagreement is an error naming both ranks, not a
+    receive that waits forever for rows that never come."""
+    me, world = _ring(group)[:2]
+    peers = [_global_rank(group, r) for r in range(world)]
+    told = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    counts = [torch.tensor([n], device=device) for n in send]
+    sends = [p2p.isend(counts[r], peers[r], group) for r in range(world) if r != me]
+    recvs = [(r, p2p.irecv(told[r], peers[r], group)) for r in range(world) if r != me]
+    for r, handle in recvs:
+        handle.wait()
+        if told[r].item() != expect[r]:
+            raise ValueError(
+                f"all_to_all: rank {r} sends {told[r].item()} rows to rank {me}, but rank "
+                f"{me}'s output_split_sizes expects {expect[r]} from rank {r}"
+            )
+    p2p.wait_all(sends)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
+               input_split_sizes=None, group=None, async_op: bool = False,
+               check: bool = True):  # fmt: skip
+    """All-to-all from point-to-point messages; shapes as
+    ``torch.distributed.all_to_all_single``: block j of ``input`` (along dim 0) goes to
+    rank j, and ``output`` holds, in rank order, the block each rank sent here.
+    ::
+
+        r0 [a0 a1 a2]        r0 [a0 b0 c0]
+        r1 [b0 b1 b2]   →    r1 [a1 b1 c1]
+        r2 [c0 c1 c2]        r2 [a2 b2 c2]
+
+    Pairwise exchange: at step i (1 … N−1) rank r sends to r+i and receives from r−i,
+    both posted before either is waited, so no rank waits in a cycle; its own block is
+    a local copy. Each rank sends (N−1)/N of its input, in N−1 steps each paying α.
+    Uneven blocks: ``input_split_sizes[j]`` rows go to rank j, ``output_split_sizes[j]``
+    come from rank j (then the ranks first tell each other the counts and check them).
+    """
+    me, world = _ring(group)[:2]
+    if input.dim() == 0 or output.dim() == 0:
+        raise ValueError(f"rank {me}: all_to_all splits tensors along dim 0: give ≥ 1-D tensors")
+    if output.shape[1:] != input.shape[1:] or output.dtype != input.dtype:
+        raise ValueError(
+            f"rank {me}: all_to_all output {list(output.shape)} {output.dtype} must have the "
+            f"input's row shape and dtype ({list(input.shape)} {input.dtype})"
+        )
+    send = _split_sizes(input_split_sizes, input.shape[0], world, me, "input")
+    expect = _split_sizes(output_split_sizes, output.shape[0], world, me, "output")
+    uneven = input_split_sizes is not None or output_split_sizes is not None
+    width = math.prod(input.shape[1:])  # elements per row (rows may be zero)
+    src = input.reshape(len(input), width)
+    # received rows land in place when ``output`` is contiguous, else in a copy written back
+    dst = (output.view(len(output), width) if output.is_contiguous()
+           else output.new_empty(len(output), width))  # fmt: skip
+    send_at = [sum(send[:j]) for j in range(world)]
+    recv_at = [sum(expect[:j]) for j in range(world)]
+
+    def run():
+        if uneven and world > 1:
+            _agree_on_sizes(send, expect, group, input.device)
+        elif check and world > 1:
+            peers = [_global_rank(group, r) for r in range(world) if r != me]
+            _announce(group, peers, peers, input.device, data_follows=min(send) > 0)
+        dst[recv_at[me] : recv_at[me] + expect[me]] = src[send_at[me] : send_at[me] + send[me]]
+        for i in range(1, world):
+            to, frm = (me + i) % world, (me - i) % world
+            handles = []
+            if send[to]:
+                block = src[send_at[to] : send_at[to] + send[to]]
+                handles.append(p2p.isend(block, _global_rank(group, to), group))
+            if expect[frm]:
+                block = dst[recv_at[frm] : recv_at[frm] + expect[frm]]
+                handles.append(p2p.irecv(block, _global_rank(group, frm), group))
+            p2p.wait_all(handles)
+        if not output.is_contiguous():
+            output.copy_(dst.view_as(output))
+
+    # the peers agree on the row shape and dtype (the row counts are checked above)
+    row = torch.empty(input.shape[1:], dtype=input.dtype, device="meta")
+    return _run("all_to_all", run, row, group, async_op, check and not uneven)
 
 
 # --------------------------------------------------------------------------- buckets

@@ -94,6 +94,13 @@ def ring_all_reduce(S: float, N: int, alpha: float, beta: float, gamma: float = 
     return ring_reduce_scatter(S, N, alpha, beta, gamma) + ring_all_gather(S, N, alpha, beta)
 
 
+def all_to_all(S: float, N: int, alpha: float, beta: float) -> float:
+    """Pairwise exchange of S bytes per rank in N equal blocks: N−1 steps, each sending one
+    block of S/N and receiving one: (N−1)·(α + S/N·β). The bytes equal an AllGather's; the
+    latency grows with N, as the ring's does."""
+    return (N - 1) * (alpha + S / N * beta)
+
+
 def recursive_doubling_all_reduce(
     S: float, N: int, alpha: float, beta: float, gamma: float = 0.0
 ) -> float:

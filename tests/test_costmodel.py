@@ -180,3 +180,8 @@ def test_transfers_add_to_the_fill_and_drain_and_more_without_overlap():
     serial = cm.pipeline_step(plan, 1.0, 1.0, transfer=0.5, overlap=False)["step"]
     assert hidden == pytest.approx(base + 2 * 0.5)  # one activation in, one gradient out
     assert serial > hidden
+
+
+def test_all_to_all_pays_one_latency_and_one_block_per_peer():
+    assert cm.all_to_all(4e6, 4, 1e-4, 1e-9) == pytest.approx(3 * (1e-4 + 1e6 * 1e-9))
+    assert cm.all_to_all(4e6, 1, 1e-4, 1e-9) == 0
