@@ -3,7 +3,17 @@
 Conventional import: ``import overlapkit as ok``.
 """
 
-from . import builtin, costmodel, diagrams, grading, p2p, pingpong, pipeline, widgets
+from . import (
+    builtin,
+    costmodel,
+    diagrams,
+    grading,
+    p2p,
+    pingpong,
+    pipeline,
+    tensor_parallel,
+    widgets,
+)
 from .collectives import (
     CollectiveMismatchError,
     all_to_all,
@@ -59,6 +69,7 @@ __all__ = [
     "pingpong",
     "widgets",
     "pipeline",
+    "tensor_parallel",
     "launch",
     "Timeline",
     "Span",

@@ -1,0 +1,55 @@
+"""Column- and row-parallel layers (and their sequence-parallel form) equal one device."""
+
+import pytest
+import torch
+
+import overlapkit as ok
+from overlapkit.collectives import chunk_bounds
+from overlapkit.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+ROWS = 6  # divisible by 2 and 3 ranks: the sequence shards
+
+
+def _mlp_on_ranks(sequence_parallel):
+    me, world = ok.rank(), ok.world_size()
+    torch.manual_seed(0)
+    l1, l2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+    x = torch.randn(ROWS, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    target = torch.randn(ROWS, 8, generator=torch.Generator().manual_seed(2))
+    # one device
+    loss = torch.nn.functional.mse_loss(l2(torch.nn.functional.gelu(l1(x))), target)
+    loss.backward()
+    # tensor parallel
+    col = ColumnParallelLinear(8, 16, from_layer=l1, sequence_parallel=sequence_parallel)
+    row = RowParallelLinear(16, 8, from_layer=l2, sequence_parallel=sequence_parallel)
+    lo, hi = me * ROWS // world, (me + 1) * ROWS // world
+    xin = (x[lo:hi] if sequence_parallel else x).detach().requires_grad_(True)
+    y = row(torch.nn.functional.gelu(col(xin)))
+    want_y = l2(torch.nn.functional.gelu(l1(x))).detach()
+    mine = target[lo:hi] if sequence_parallel else target
+    # the same mean over all rows: each rank's share of it when rows are split
+    tp_loss = torch.nn.functional.mse_loss(y, mine, reduction="sum") / target.numel()
+    tp_loss.backward()
+    c_lo, c_hi = chunk_bounds(16, world)[me]
+    checks = {
+        "output": (y, want_y[lo:hi] if sequence_parallel else want_y),
+        "column weight grad": (col.weight.grad, l1.weight.grad[c_lo:c_hi]),
+        "column bias grad": (col.bias.grad, l1.bias.grad[c_lo:c_hi]),
+        "row weight grad": (row.weight.grad, l2.weight.grad[:, c_lo:c_hi]),
+        "row bias grad": (row.bias.grad, l2.bias.grad),
+        # what flows on to the layers before: whole only if f / the AllGather's
+        # backward summed every rank's part
+        "input grad": (xin.grad, x.grad[lo:hi] if sequence_parallel else x.grad),
+    }
+    return {k: (a - b).abs().max().item() for k, (a, b) in checks.items()}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_tensor_parallel_mlp_equals_one_device_forward_and_backward(world, sequence_parallel):
+    link = ok.Link(20, 5) if world == 3 else None
+    for rank, diffs in enumerate(
+        ok.launch(_mlp_on_ranks, sequence_parallel, world_size=world, link=link, timeout=60)
+    ):
+        for what, diff in diffs.items():
+            assert diff < 1e-5, f"rank {rank}, {what}: {diff}"
