@@ -188,3 +188,61 @@ class RowParallelLinear(torch.nn.Module):
             out = reduce_from_parallel(partial, self.group)
             bias = self.bias
         return out + bias if bias is not None else out
+
+
+# --------------------------------------------------------------------------- decomposed
+
+
+class _AllGatherMatmul(torch.autograd.Function):
+    """``AllGather(x) @ Wᵀ`` with each shard multiplied as it arrives round the ring."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        from . import p2p  # noqa: PLC0415
+
+        me, world = dist.get_rank(group), dist.get_world_size(group)
+        rows = x.shape[0]
+        right = dist.get_global_rank(group, (me + 1) % world) if group else (me + 1) % world
+        left = dist.get_global_rank(group, (me - 1) % world) if group else (me - 1) % world
+        out = x.new_empty((world * rows, weight.shape[0]))
+        gathered = x.new_empty((world * rows, *x.shape[1:]))
+        chunk = x.detach().contiguous()
+        for k in range(world):
+            src = (me - k) % world  # whose shard is in hand at step k
+            handles = []
+            if k < world - 1:  # pass it on, and take the next one, while computing
+                nxt = torch.empty_like(chunk)
+                handles = [p2p.isend(chunk, right), p2p.irecv(nxt, left)]
+            out[src * rows : (src + 1) * rows] = chunk @ weight.detach().t()
+            gathered[src * rows : (src + 1) * rows] = chunk
+            p2p.wait_all(handles)
+            if k < world - 1:
+                chunk = nxt
+        ctx.save_for_backward(gathered, weight)
+        ctx.group = group
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        gathered, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_weight = grad.t() @ gathered
+        world = dist.get_world_size(ctx.group)
+        full = grad @ weight  # every rank's share of every row's input gradient
+        grad_x = full.new_empty((full.shape[0] // world, *full.shape[1:]))
+        ring_reduce_scatter(grad_x, full, group=ctx.group)
+        return grad_x, grad_weight, None
+
+
+def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, group=None) -> torch.Tensor:
+    """``AllGather(x, dim 0) @ weightᵀ``, decomposed so that communication hides behind the
+    multiplications ("collective matmul"): at ring step k a rank multiplies the shard it
+    holds while passing it on and receiving the next::
+
+        step 0:  y[me]   = x_me   · Wᵀ      send x_me → right,     receive x_(me−1)
+        step 1:  y[me−1] = x_me−1 · Wᵀ      send x_(me−1) → right, receive x_(me−2)
+        …        N steps, N−1 transfers, each hidden under a multiplication
+
+    Same result and gradients as ``ColumnParallelLinear`` with ``sequence_parallel`` (bias
+    aside). Its messages are ``ok.p2p`` messages, over the link when one is set."""
+    return _AllGatherMatmul.apply(x, weight, group)
