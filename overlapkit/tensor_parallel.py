@@ -68,23 +68,36 @@ class _ReduceFromParallel(torch.autograd.Function):
         return grad, None
 
 
+def _gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's rows, in rank order (AllGather along dim 0)."""
+    out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+    ring_all_gather(out, x.contiguous(), group=group)
+    return out
+
+
+def _scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """This rank's rows of the sum over ranks (ReduceScatter along dim 0)."""
+    world = dist.get_world_size(group)
+    if x.shape[0] % world:
+        raise ValueError(
+            f"rank {dist.get_rank()}: {x.shape[0]} rows do not split into {world} sequence shards"
+        )
+    out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
+    ring_reduce_scatter(out, x.contiguous(), group=group)
+    return out
+
+
 class _GatherSequence(torch.autograd.Function):
     """AllGather along dim 0 forward, ReduceScatter backward (sequence parallelism)."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        world = dist.get_world_size(group)
-        out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-        ring_all_gather(out, x.contiguous(), group=group)
-        return out
+        return _gather_rows(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        world = dist.get_world_size(ctx.group)
-        out = grad.new_empty((grad.shape[0] // world, *grad.shape[1:]))
-        ring_reduce_scatter(out, grad.contiguous(), group=ctx.group)
-        return out, None
+        return _scatter_rows(grad, ctx.group), None
 
 
 class _ScatterSequence(torch.autograd.Function):
@@ -93,22 +106,11 @@ class _ScatterSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        world = dist.get_world_size(group)
-        if x.shape[0] % world:
-            raise ValueError(
-                f"rank {dist.get_rank()}: {x.shape[0]} rows do not split into {world} "
-                "sequence shards"
-            )
-        out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
-        ring_reduce_scatter(out, x.contiguous(), group=group)
-        return out
+        return _scatter_rows(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        world = dist.get_world_size(ctx.group)
-        out = grad.new_empty((world * grad.shape[0], *grad.shape[1:]))
-        ring_all_gather(out, grad.contiguous(), group=ctx.group)
-        return out, None
+        return _gather_rows(grad, ctx.group), None
 
 
 def copy_to_parallel(x, group=None):
@@ -227,11 +229,8 @@ class _AllGatherMatmul(torch.autograd.Function):
         gathered, weight = ctx.saved_tensors
         grad = grad.contiguous()
         grad_weight = grad.t() @ gathered
-        world = dist.get_world_size(ctx.group)
-        full = grad @ weight  # every rank's share of every row's input gradient
-        grad_x = full.new_empty((full.shape[0] // world, *full.shape[1:]))
-        ring_reduce_scatter(grad_x, full, group=ctx.group)
-        return grad_x, grad_weight, None
+        # every rank holds a share of every row's input gradient: sum, keep my rows
+        return _scatter_rows(grad @ weight, ctx.group), grad_weight, None
 
 
 def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, group=None) -> torch.Tensor:
