@@ -33,6 +33,8 @@ __all__ = [
     "reduce_from_parallel",
     "gather_sequence",
     "scatter_sequence",
+    "all_gather_matmul",
+    "matmul_reduce_scatter",
 ]
 
 
@@ -245,3 +247,54 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, group=None) -> torc
     Same result and gradients as ``ColumnParallelLinear`` with ``sequence_parallel`` (bias
     aside). Its messages are ``ok.p2p`` messages, over the link when one is set."""
     return _AllGatherMatmul.apply(x, weight, group)
+
+
+class _MatmulReduceScatter(torch.autograd.Function):
+    """``ReduceScatter(x @ Wᵀ)`` with each block's partial sum sent on as the next computes."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        from . import p2p  # noqa: PLC0415
+
+        me, world = dist.get_rank(group), dist.get_world_size(group)
+        if x.shape[0] % world:
+            raise ValueError(
+                f"rank {dist.get_rank()}: {x.shape[0]} rows do not split into {world} blocks"
+            )
+        rows = x.shape[0] // world
+        right = dist.get_global_rank(group, (me + 1) % world) if group else (me + 1) % world
+        left = dist.get_global_rank(group, (me - 1) % world) if group else (me - 1) % world
+        w = weight.detach().t()
+
+        def part(c):  # this rank's share of block c of the output
+            return x.detach()[c * rows : (c + 1) * rows] @ w
+
+        acc = part((me - 1) % world)  # the block with the longest way to go first
+        for k in range(world - 1):
+            buf = torch.empty_like(acc)
+            handles = [p2p.isend(acc, right), p2p.irecv(buf, left)]
+            mine = part((me - k - 2) % world)  # computed while the partial sums travel
+            p2p.wait_all(handles)
+            acc = buf + mine
+        ctx.save_for_backward(x, weight)
+        ctx.group = group
+        return acc
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        full = _gather_rows(grad, ctx.group)  # every block's output gradient
+        return full @ weight, full.t() @ x, None
+
+
+def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group=None) -> torch.Tensor:
+    """``ReduceScatter(x @ weightᵀ, dim 0)`` decomposed: the row-parallel layer's partial
+    outputs are summed round the ring block by block, and each rank computes its share of
+    the next block while the running sum of the previous one travels::
+
+        step 0:  acc = x[me−1]·Wᵀ   send acc → right;  compute x[me−2]·Wᵀ;  acc = received + it
+        …        after N−1 steps acc is block me, summed over every rank
+
+    Same result and gradients as ``RowParallelLinear`` with ``sequence_parallel`` (bias
+    aside). Its messages are ``ok.p2p`` messages, over the link when one is set."""
+    return _MatmulReduceScatter.apply(x, weight, group)

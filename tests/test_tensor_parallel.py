@@ -85,3 +85,34 @@ def test_the_decomposed_all_gather_matmul_equals_gather_then_multiply(world):
     results = ok.launch(_decomposed, 3, world_size=world, link=ok.Link(20, 5))
     for rank, (out, weight_grad, input_grad) in enumerate(results):
         assert out < 1e-5 and weight_grad < 1e-4 and input_grad < 1e-4, (rank, results[rank])
+
+
+def _decomposed_reduce_scatter(world_rows):
+    """Row-parallel with sequence-split output: rank r holds input features r of W and of
+    every row of x; its output is its rows, summed over every rank's features."""
+    from overlapkit.tensor_parallel import matmul_reduce_scatter
+
+    me, world = ok.rank(), ok.world_size()
+    torch.manual_seed(0)
+    weight = torch.randn(5, 2 * world, requires_grad=True)
+    x = torch.randn(world * world_rows, 2 * world, generator=torch.Generator().manual_seed(1))
+    x.requires_grad_(True)
+    y = x @ weight.t()
+    y.square().sum().backward()
+    rows, feats = slice(me * world_rows, (me + 1) * world_rows), slice(2 * me, 2 * me + 2)
+    mine = x[:, feats].detach().requires_grad_(True)
+    w = weight[:, feats].detach().clone().requires_grad_(True)
+    out = matmul_reduce_scatter(mine, w)
+    out.square().sum().backward()
+    return (
+        (out - y[rows].detach()).abs().max().item(),
+        (w.grad - weight.grad[:, feats]).abs().max().item(),
+        (mine.grad - x.grad[:, feats]).abs().max().item(),
+    )
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_decomposed_matmul_reduce_scatter_equals_multiply_then_reduce_scatter(world):
+    results = ok.launch(_decomposed_reduce_scatter, 2, world_size=world, link=ok.Link(20, 5))
+    for rank, (out, weight_grad, input_grad) in enumerate(results):
+        assert out < 1e-4 and weight_grad < 1e-4 and input_grad < 1e-4, (rank, results[rank])
