@@ -24,7 +24,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .collectives import chunk_bounds, ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from .collectives import (
+    _ring,
+    chunk_bounds,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -204,10 +210,8 @@ class _AllGatherMatmul(torch.autograd.Function):
     def forward(ctx, x, weight, group):
         from . import p2p  # noqa: PLC0415
 
-        me, world = dist.get_rank(group), dist.get_world_size(group)
+        me, world, left, right = _ring(group)  # neighbours as global ranks
         rows = x.shape[0]
-        right = dist.get_global_rank(group, (me + 1) % world) if group else (me + 1) % world
-        left = dist.get_global_rank(group, (me - 1) % world) if group else (me - 1) % world
         out = x.new_empty((world * rows, weight.shape[0]))
         gathered = x.new_empty((world * rows, *x.shape[1:]))
         chunk = x.detach().contiguous()
@@ -256,14 +260,12 @@ class _MatmulReduceScatter(torch.autograd.Function):
     def forward(ctx, x, weight, group):
         from . import p2p  # noqa: PLC0415
 
-        me, world = dist.get_rank(group), dist.get_world_size(group)
+        me, world, left, right = _ring(group)  # neighbours as global ranks
         if x.shape[0] % world:
             raise ValueError(
                 f"rank {dist.get_rank()}: {x.shape[0]} rows do not split into {world} blocks"
             )
         rows = x.shape[0] // world
-        right = dist.get_global_rank(group, (me + 1) % world) if group else (me + 1) % world
-        left = dist.get_global_rank(group, (me - 1) % world) if group else (me - 1) % world
         w = weight.detach().t()
 
         def part(c):  # this rank's share of block c of the output
