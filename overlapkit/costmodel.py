@@ -305,7 +305,6 @@ def pipeline_step(schedule, forward, backward, transfer: float = 0.0,
     p = len(schedule)
     t_f = forward if isinstance(forward, (list, tuple)) else [forward] * p
     t_b = backward if isinstance(backward, (list, tuple)) else [backward] * p
-    done: dict = {}  # (stage, op, micro) -> end of compute
     arrive: dict = {}  # (stage, kind, micro) -> when the input is there
     link_free: dict = {}  # (from, to) -> when that direction of the link is free
     clock = [0.0] * p
@@ -337,7 +336,6 @@ def pipeline_step(schedule, forward, backward, transfer: float = 0.0,
             end = start + cost
             spans.append((s, f"{action.op}{k}", start, end))
             clock[s] = end
-            done[(s, action.op, k)] = end
             if 0 <= to < p:  # send the activation on, or the gradient back
                 leave = max(end, link_free.get((s, to), 0.0))
                 link_free[(s, to)] = leave + transfer

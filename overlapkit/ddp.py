@@ -136,7 +136,6 @@ class _DataParallel(torch.nn.Module):
             previous()._detach()  # the newest wrapper of a module owns its gradients
         object.__setattr__(module, "_overlapkit_ddp", weakref.ref(self))
         self._no_sync = 0
-        self.steps = 0
         self._reset("idle")
 
     # ------------------------------------------------------------ construction
@@ -307,7 +306,6 @@ class _DataParallel(torch.nn.Module):
                 self._finish(b, flat, handle)
         if self.timeline is not None and self._backward_start is not None:
             self.timeline.add("backward", self._backward_start, backward_end, "compute")
-        self.steps += 1
         self._reset("synced")
 
     @torch.no_grad()

@@ -9,8 +9,6 @@ sit side by side.
 
 from __future__ import annotations
 
-import math
-
 from . import costmodel
 
 
@@ -97,12 +95,3 @@ def bucket_explorer(profile, world: int = 2, host=None, measure=None, bucket_mb:
     button.on_click(run)
     redraw()
     return w.VBox([w.HBox([bucket, bandwidth, latency]), label, out, w.HBox([button, measured])])
-
-
-def log_ticks(lo: float, hi: float) -> list[float]:
-    """1-2-5 ticks between lo and hi, for log axes of bucket sizes."""
-    ticks, k = [], math.floor(math.log10(lo))
-    while 10**k <= hi * 10:
-        ticks += [m * 10**k for m in (1, 2, 5) if lo <= m * 10**k <= hi]
-        k += 1
-    return ticks

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from .. import costmodel, p2p, runtime
 from ..pipeline import PipelineStage, make_schedule
-from ..timeline import COMM, COMPUTE, Timeline, intersect, length, union
+from ..timeline import COMPUTE, Timeline
 from .progress import launch_with_progress, slowest
 from .table import format_table, write
 
@@ -89,14 +89,6 @@ def _configs(micro, schedules):
     return rows
 
 
-def _measure(tl: Timeline, stage: int, step: float) -> tuple[float, float]:
-    compute = union((s.start, s.end) for s in tl.spans if s.lane == COMPUTE)
-    comm = union((s.start, s.end) for s in tl.spans if s.lane == COMM)
-    busy = length(compute)
-    hidden = length(intersect(comm, compute)) / length(comm) if comm else float("nan")
-    return 1 - busy / step, hidden
-
-
 def _rank_bench(layers, width, batch, micro, schedules, reps, warmup, share, torch_compare,
                 progress):  # fmt: skip
     s = runtime.rank()
@@ -137,7 +129,9 @@ def _rank_bench(layers, width, batch, micro, schedules, reps, warmup, share, tor
             step = slowest(start, end)
             if i >= warmup:
                 times[c].append(step)
-                bubble, hidden = _measure(tl, s, end - start)
+                bubble = 1 - tl.busy(COMPUTE) / (end - start)
+                hidden = tl.hidden_fraction()
+                hidden = float("nan") if hidden is None else hidden
                 extra[c] = (bubble, hidden, res.peak_activations)
             progress.tick()
     gathered = [None] * P
