@@ -29,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import hashlib
+import itertools
 import math
 import queue
 import re
@@ -38,7 +39,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import handles, p2p
+from . import costmodel, handles, p2p
 from .p2p import CollectiveMismatchError
 
 OPS = ("sum", "avg", "max", "min", "product")
@@ -779,22 +780,19 @@ def buckets_by_size(tensors, bucket_mb: float) -> list[list[int]]:
     """Group tensor indices, in order, into buckets of at most ``bucket_mb`` MiB each.
 
     A bucket holds one dtype on one device; a tensor larger than a bucket gets
-    a bucket of its own.
+    a bucket of its own. Within a run of one dtype and device the rule is
+    ``costmodel.ddp_buckets``'s, so the model predicts the wrappers' own buckets.
     """
     if bucket_mb <= 0:
         raise ValueError(f"bucket_mb must be positive, got {bucket_mb!r}")
-    limit = bucket_mb * 2**20
     buckets: list[list[int]] = []
-    size, key = 0.0, None
-    for i, t in enumerate(tensors):
-        nbytes = t.numel() * t.element_size()
-        this_key = (t.dtype, t.device)
-        if buckets and this_key == key and size + nbytes <= limit:
-            buckets[-1].append(i)
-            size += nbytes
-        else:
-            buckets.append([i])
-            size, key = nbytes, this_key
+    runs = itertools.groupby(
+        range(len(tensors)), key=lambda i: (tensors[i].dtype, tensors[i].device)
+    )
+    for _, run in runs:
+        idx = list(run)
+        sizes = [tensors[i].numel() * tensors[i].element_size() for i in idx]
+        buckets += [[idx[j] for j in b] for b in costmodel.ddp_buckets(sizes, bucket_mb)]
     return buckets
 
 
