@@ -488,13 +488,14 @@ def profile_backward(module: torch.nn.Module, step, repeats: int = 5) -> Backwar
             for p in params
         ]
         try:
-            _sync(params[0])
+            runtime.synchronize(params[0].device)
             t0 = time.perf_counter()
             loss = step(module)
-            _sync(params[0])
+            runtime.synchronize(params[0].device)
             t1 = time.perf_counter()
             loss.backward()
-            _sync(params[0])  # on CUDA, ready times are when the host saw each hook
+            # on CUDA, the ready times are when the host saw each hook
+            runtime.synchronize(params[0].device)
             t2 = time.perf_counter()
         finally:
             for h in hooks:
@@ -514,22 +515,17 @@ def profile_backward(module: torch.nn.Module, step, repeats: int = 5) -> Backwar
 # --------------------------------------------------------------------------- measuring the host
 
 
-def _sync(like: torch.Tensor) -> None:
-    if like.device.type == "cuda":
-        torch.cuda.synchronize(like.device)
-
-
 def _time_all_reduce(reduce, nbytes: int, reps: int) -> tuple[float, float]:
     """Median wall time of one synchronous AllReduce of ``nbytes``, and the CPU time (all
     of this rank's threads) it took."""
     buf = torch.zeros(max(1, nbytes // 4), device=runtime.device())
     samples, cpu = [], []
     for i in range(reps + 1):
-        _sync(buf)
+        runtime.synchronize(buf.device)
         dist.barrier()
         start, start_cpu = time.perf_counter(), time.process_time()
         reduce(buf).wait()
-        _sync(buf)
+        runtime.synchronize(buf.device)
         if i:  # the first one warms up
             samples.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)

@@ -20,11 +20,6 @@ import torch
 from . import p2p, runtime
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def ping_pong(nbytes: int, iters: int = 10, warmup: int = 2, peer_ranks=(0, 1)) -> float | None:
     """One-way time (seconds, median over ``iters`` round trips / 2) between two ranks.
 
@@ -40,7 +35,7 @@ def ping_pong(nbytes: int, iters: int = 10, warmup: int = 2, peer_ranks=(0, 1)) 
     buf = torch.empty(max(nbytes, 0), dtype=torch.uint8, device=device)
     samples = []
     for i in range(warmup + iters):
-        _sync(device)
+        runtime.synchronize(device)
         start = time.perf_counter()
         if me == a:
             p2p.send(buf, peer)
@@ -48,7 +43,7 @@ def ping_pong(nbytes: int, iters: int = 10, warmup: int = 2, peer_ranks=(0, 1)) 
         else:
             p2p.recv(buf, peer)
             p2p.send(buf, peer)
-        _sync(device)
+        runtime.synchronize(device)
         if i >= warmup:
             samples.append((time.perf_counter() - start) / 2)
     return statistics.median(samples)

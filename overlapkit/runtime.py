@@ -85,3 +85,11 @@ def resolve_backend(name: str, world: int) -> str:
     if name not in ("gloo", "nccl", "mpi") and ":" not in name:
         raise ValueError(f"unknown backend {name!r}: expected 'auto', 'gloo' or 'nccl'")
     return name
+
+
+def synchronize(on: torch.device | None = None) -> None:
+    """Wait for the work queued on device ``on`` (default: this rank's) — what a host-side
+    timer must do on a GPU before reading the clock; nothing on a CPU."""
+    on = device() if on is None else on
+    if on.type == "cuda":
+        torch.cuda.synchronize(on)

@@ -68,11 +68,6 @@ ALGORITHMS = {
 OPS_PER_CALL = {"ring_async": ASYNC_BATCH}
 
 
-def _sync():
-    if runtime.device().type == "cuda":
-        torch.cuda.synchronize()
-
-
 #: a link that costs nothing: what is left is the machine's own work (copies, reductions)
 INSTANT = p2p.Link(latency_us=0, bandwidth_gbps=1e9)
 
@@ -98,11 +93,11 @@ def _measure(nbytes: int, algorithms, reps: int, warmup: int) -> dict[str, list[
         for a, variant_link, key in variants:
             p2p.set_link(variant_link)
             bufs[key].copy_(source)
-            _sync()
+            runtime.synchronize()
             dist.barrier()
             start = time.perf_counter()
             ALGORITHMS[a](bufs[key])
-            _sync()
+            runtime.synchronize()
             end = time.perf_counter()
             marks[0], marks[1] = (start, end) if shared_clock else (0.0, end - start)
             dist.all_reduce(marks, op=dist.ReduceOp.MAX)

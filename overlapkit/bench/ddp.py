@@ -85,11 +85,6 @@ def _configs(bucket_sweep, torch_ddp: bool):
     return configs
 
 
-def _sync() -> None:
-    if runtime.device().type == "cuda":
-        torch.cuda.synchronize()
-
-
 def _build(kind, mb, spec, link, timeline):
     model = make_model(*spec).to(runtime.device())
     reducer = _reducer(link)
@@ -124,7 +119,7 @@ def _rank_bench(spec, bucket_sweep, reps, warmup, batch, ratio, torch_ddp, progr
         start = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=False)
-        _sync()
+        runtime.synchronize()
         opt_samples.append(time.perf_counter() - start)
     configs = _configs(bucket_sweep, torch_ddp)
     timelines = {c: Timeline() for c in configs}
@@ -136,7 +131,7 @@ def _rank_bench(spec, bucket_sweep, reps, warmup, batch, ratio, torch_ddp, progr
         for c in configs:
             w, opt = wrappers[c], optimizers[c]
             tl = timelines[c]
-            _sync()
+            runtime.synchronize()
             dist.barrier()
             n_before = len(tl.spans)
             start = time.perf_counter()
@@ -149,7 +144,7 @@ def _rank_bench(spec, bucket_sweep, reps, warmup, batch, ratio, torch_ddp, progr
                 w.finish_gradient_synchronization()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            _sync()
+            runtime.synchronize()
             end = time.perf_counter()
             step = slowest(start, end, dev)
             if i >= warmup:
