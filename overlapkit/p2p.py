@@ -974,6 +974,15 @@ def wait_all(handles) -> None:
         h.wait()
 
 
+def completed_at(handle) -> float | None:
+    """When a waited message left (send) or arrived (receive) over the emulated link,
+    on the host clock of ``time.perf_counter()``; ``None`` without a link (then only
+    the moment ``wait()`` returned is known). A span drawn from it shows the transfer
+    as the link saw it, not as late as the code got round to waiting for it."""
+    done = getattr(handle, "_done_at", None)
+    return done if isinstance(handle, _OnTheLink) and done else None
+
+
 # --------------------------------------------------------------------------- announcements
 
 #: an announcement: op number, signature, then the op's description in UTF-8

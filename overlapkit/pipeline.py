@@ -278,9 +278,8 @@ class _Run:
         which may be well before this wait, or else when the wait returned."""
         handle.wait()
         if self.timeline is not None:
-            now = time.perf_counter()
-            left = getattr(handle, "_done_at", 0.0)
-            self.timeline.add(name, start, min(now, left) if left > start else now, "comm")
+            now, left = time.perf_counter(), p2p.completed_at(handle)
+            self.timeline.add(name, start, min(now, left) if left and left > start else now, "comm")
 
     def _serialise(self) -> None:
         """Without overlap, a stage computes only once its sends have arrived. (It waits

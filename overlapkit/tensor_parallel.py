@@ -21,6 +21,8 @@ single-device layer, forward and gradients (tests on 2 and 3 ranks).
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -203,29 +205,93 @@ class RowParallelLinear(torch.nn.Module):
 # --------------------------------------------------------------------------- decomposed
 
 
+def _pieces(rows: int, chunks: int, what: str) -> list[tuple[int, int]]:
+    """Row ranges of the ``chunks`` pieces a shard travels in (sizes differ by ≤ 1)."""
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"rank {dist.get_rank()}: chunks must be an integer ≥ 1, got {chunks!r}")
+    if chunks > rows:
+        raise ValueError(
+            f"rank {dist.get_rank()}: chunks={chunks} is more than the {rows} rows of its "
+            f"{what}: every piece needs at least one row"
+        )
+    return chunk_bounds(rows, chunks)
+
+
+def _check_same_shapes(x, weight, group, name: str) -> None:
+    """Every rank must hold a shard of the same shape (else the ring's pieces would not
+    line up): refuse, naming the ranks and shapes, before any data moves."""
+    from . import p2p  # noqa: PLC0415
+
+    me, world, left, right = _ring(group)
+    if world == 1:
+        return
+    mine = torch.tensor([*x.shape, *weight.shape], dtype=torch.int64)
+    theirs = torch.empty_like(mine)
+    p2p.wait_all([p2p.isend(mine, right), p2p.irecv(theirs, left)])
+    if not torch.equal(mine, theirs):
+        raise ValueError(
+            f"{name}: rank {dist.get_rank()} has input {list(x.shape)} and weight "
+            f"{list(weight.shape)}, but rank {left} has input {theirs[:2].tolist()} and "
+            f"weight {theirs[2:].tolist()}: every rank needs a shard of the same shape"
+        )
+
+
+def _sent(timeline, name: str, handle, start: float) -> None:
+    """Record a waited send as the link saw it (see ``p2p.completed_at``)."""
+    from . import p2p  # noqa: PLC0415
+
+    if timeline is not None:
+        end = p2p.completed_at(handle) or timeline.now()
+        timeline.add(name, start, max(start, end), "comm")
+
+
+def _computed(timeline, name: str, start: float) -> None:
+    if timeline is not None:
+        timeline.add(name, start, timeline.now(), "compute")
+
+
 class _AllGatherMatmul(torch.autograd.Function):
-    """``AllGather(x) @ Wᵀ`` with each shard multiplied as it arrives round the ring."""
+    """``AllGather(x) @ Wᵀ`` with each piece multiplied as it arrives round the ring."""
 
     @staticmethod
-    def forward(ctx, x, weight, group):
+    def forward(ctx, x, weight, group, chunks, timeline, check):
         from . import p2p  # noqa: PLC0415
 
+        if x.dim() != 2:
+            raise ValueError(f"rank {dist.get_rank()}: all_gather_matmul takes a 2-D input, "
+                             f"got {list(x.shape)}")  # fmt: skip
+        if check:
+            _check_same_shapes(x, weight, group, "all_gather_matmul")
         me, world, left, right = _ring(group)  # neighbours as global ranks
         rows = x.shape[0]
+        pieces = _pieces(rows, chunks, "input shard")
+        now = time.perf_counter
+        w = weight.detach().t()
         out = x.new_empty((world * rows, weight.shape[0]))
-        gathered = x.new_empty((world * rows, *x.shape[1:]))
-        chunk = x.detach().contiguous()
+        gathered = x.new_empty((world * rows, x.shape[1]))
+        gathered[me * rows : (me + 1) * rows] = x.detach()
+        # every receive posted up front, straight into its place: they arrive in the
+        # order the left neighbour sends them (step by step, piece by piece)
+        recvs = {}
+        for k in range(1, world):
+            src = (me - k) % world
+            for p, (lo, hi) in enumerate(pieces):
+                recvs[k, p] = p2p.irecv(gathered[src * rows + lo : src * rows + hi], left)
+        sends = []
         for k in range(world):
             src = (me - k) % world  # whose shard is in hand at step k
-            handles = []
-            if k < world - 1:  # pass it on, and take the next one, while computing
-                nxt = torch.empty_like(chunk)
-                handles = [p2p.isend(chunk, right), p2p.irecv(nxt, left)]
-            out[src * rows : (src + 1) * rows] = chunk @ weight.detach().t()
-            gathered[src * rows : (src + 1) * rows] = chunk
-            p2p.wait_all(handles)
-            if k < world - 1:
-                chunk = nxt
+            for p, (lo, hi) in enumerate(pieces):
+                a, b = src * rows + lo, src * rows + hi
+                if k:
+                    recvs[k, p].wait()
+                if k < world - 1:  # pass it on while multiplying it
+                    sends.append((f"send {src}.{p}", p2p.isend(gathered[a:b], right), now()))
+                t0 = now()
+                out[a:b] = gathered[a:b] @ w
+                _computed(timeline, f"matmul {src}.{p}", t0)
+        for name, handle, t0 in sends:
+            handle.wait()
+            _sent(timeline, name, handle, t0)
         ctx.save_for_backward(gathered, weight)
         ctx.group = group
         return out
@@ -236,10 +302,11 @@ class _AllGatherMatmul(torch.autograd.Function):
         grad = grad.contiguous()
         grad_weight = grad.t() @ gathered
         # every rank holds a share of every row's input gradient: sum, keep my rows
-        return _scatter_rows(grad @ weight, ctx.group), grad_weight, None
+        return _scatter_rows(grad @ weight, ctx.group), grad_weight, None, None, None, None
 
 
-def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, group=None) -> torch.Tensor:
+def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, group=None, chunks: int = 1,
+                      timeline=None, check: bool = True) -> torch.Tensor:  # fmt: skip
     """``AllGather(x, dim 0) @ weightᵀ``, decomposed so that communication hides behind the
     multiplications ("collective matmul"): at ring step k a rank multiplies the shard it
     holds while passing it on and receiving the next::
@@ -248,48 +315,76 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, group=None) -> torc
         step 1:  y[me−1] = x_me−1 · Wᵀ      send x_(me−1) → right, receive x_(me−2)
         …        N steps, N−1 transfers, each hidden under a multiplication
 
+    ``chunks`` cuts every shard into that many row pieces that travel one after another,
+    so that a piece is multiplied as soon as *it* arrives: with two ranks, only the own
+    shard's product can hide the one transfer, unless it travels in pieces. More pieces
+    hide more, and each pays the link's latency once more (``costmodel.collective_matmul``).
+
     Same result and gradients as ``ColumnParallelLinear`` with ``sequence_parallel`` (bias
-    aside). Its messages are ``ok.p2p`` messages, over the link when one is set."""
-    return _AllGatherMatmul.apply(x, weight, group)
+    aside). Its messages are ``ok.p2p`` messages, over the link when one is set;
+    ``timeline`` gets a compute span per piece multiplied and a comm span per piece sent.
+    ``check``: first compare shard shapes with the left neighbour (one tiny message)."""
+    return _AllGatherMatmul.apply(x, weight, group, chunks, timeline, check)
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
-    """``ReduceScatter(x @ Wᵀ)`` with each block's partial sum sent on as the next computes."""
+    """``ReduceScatter(x @ Wᵀ)`` with each piece's partial sum sent on as the next computes."""
 
     @staticmethod
-    def forward(ctx, x, weight, group):
+    def forward(ctx, x, weight, group, chunks, timeline, check):
         from . import p2p  # noqa: PLC0415
 
+        if x.dim() != 2:
+            raise ValueError(f"rank {dist.get_rank()}: matmul_reduce_scatter takes a 2-D "
+                             f"input, got {list(x.shape)}")  # fmt: skip
+        if check:
+            _check_same_shapes(x, weight, group, "matmul_reduce_scatter")
         me, world, left, right = _ring(group)  # neighbours as global ranks
         if x.shape[0] % world:
             raise ValueError(
                 f"rank {dist.get_rank()}: {x.shape[0]} rows do not split into {world} blocks"
             )
         rows = x.shape[0] // world
-        w = weight.detach().t()
-
-        def part(c):  # this rank's share of block c of the output
-            return x.detach()[c * rows : (c + 1) * rows] @ w
-
-        acc = part((me - 1) % world)  # the block with the longest way to go first
-        for k in range(world - 1):
-            buf = torch.empty_like(acc)
-            handles = [p2p.isend(acc, right), p2p.irecv(buf, left)]
-            mine = part((me - k - 2) % world)  # computed while the partial sums travel
-            p2p.wait_all(handles)
-            acc = buf + mine
+        pieces = _pieces(rows, chunks, "output block")
+        now = time.perf_counter
+        xd, w = x.detach(), weight.detach().t()
+        out = x.new_empty((rows, weight.shape[0]))
+        recvs = {}  # the running sums from the left, posted up front in arrival order
+        for k in range(1, world):
+            for p, (lo, hi) in enumerate(pieces):
+                buf = x.new_empty((hi - lo, weight.shape[0]))
+                recvs[k, p] = (buf, p2p.irecv(buf, left))
+        sends = []
+        for k in range(world):
+            block = (me - k - 1) % world  # the block with the longest way to go first
+            for p, (lo, hi) in enumerate(pieces):
+                t0 = now()
+                acc = xd[block * rows + lo : block * rows + hi] @ w  # my share of it
+                _computed(timeline, f"matmul {block}.{p}", t0)
+                if k:  # add the sum of the ranks before me
+                    buf, handle = recvs[k, p]
+                    handle.wait()
+                    acc += buf
+                if k < world - 1:
+                    sends.append((f"send {block}.{p}", p2p.isend(acc, right), now(), acc))
+                else:  # block me, summed over every rank
+                    out[lo:hi] = acc
+        for name, handle, t0, _ in sends:
+            handle.wait()
+            _sent(timeline, name, handle, t0)
         ctx.save_for_backward(x, weight)
         ctx.group = group
-        return acc
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         full = _gather_rows(grad, ctx.group)  # every block's output gradient
-        return full @ weight, full.t() @ x, None
+        return full @ weight, full.t() @ x, None, None, None, None
 
 
-def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group=None) -> torch.Tensor:
+def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group=None, chunks: int = 1,
+                          timeline=None, check: bool = True) -> torch.Tensor:  # fmt: skip
     """``ReduceScatter(x @ weightᵀ, dim 0)`` decomposed: the row-parallel layer's partial
     outputs are summed round the ring block by block, and each rank computes its share of
     the next block while the running sum of the previous one travels::
@@ -297,6 +392,8 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, group=None) -> 
         step 0:  acc = x[me−1]·Wᵀ   send acc → right;  compute x[me−2]·Wᵀ;  acc = received + it
         …        after N−1 steps acc is block me, summed over every rank
 
-    Same result and gradients as ``RowParallelLinear`` with ``sequence_parallel`` (bias
-    aside). Its messages are ``ok.p2p`` messages, over the link when one is set."""
-    return _MatmulReduceScatter.apply(x, weight, group)
+    ``chunks`` cuts every block into row pieces: a piece's partial sum leaves as soon as it
+    is computed, while the next piece computes. Same result and gradients as
+    ``RowParallelLinear`` with ``sequence_parallel`` (bias aside); ``timeline`` and
+    ``check`` as in :func:`all_gather_matmul`."""
+    return _MatmulReduceScatter.apply(x, weight, group, chunks, timeline, check)

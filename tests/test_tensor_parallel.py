@@ -1,5 +1,7 @@
 """Column- and row-parallel layers (and their sequence-parallel form) equal one device."""
 
+import re
+
 import pytest
 import torch
 
@@ -55,7 +57,7 @@ def test_a_tensor_parallel_mlp_equals_one_device_forward_and_backward(world, seq
             assert diff < 1e-5, f"rank {rank}, {what}: {diff}"
 
 
-def _decomposed(world_rows):
+def _decomposed(world_rows, chunks=1):
     """Column-parallel with sequence-split input: rank r holds rows r of x and output
     features r of W; its output is every row of its features."""
     from overlapkit.tensor_parallel import all_gather_matmul
@@ -71,7 +73,7 @@ def _decomposed(world_rows):
     feats = slice(2 * me, 2 * me + 2)
     shard = x[rows].detach().requires_grad_(True)
     w = weight[feats].detach().clone().requires_grad_(True)
-    out = all_gather_matmul(shard, w)
+    out = all_gather_matmul(shard, w, chunks=chunks)
     out.square().sum().backward()  # each rank's share of the same loss
     return (
         (out - y[:, feats].detach()).abs().max().item(),
@@ -80,14 +82,15 @@ def _decomposed(world_rows):
     )
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_the_decomposed_all_gather_matmul_equals_gather_then_multiply(world):
-    results = ok.launch(_decomposed, 3, world_size=world, link=ok.Link(20, 5))
+@pytest.mark.parametrize(("world", "rows", "chunks"), [(2, 3, 1), (3, 3, 1), (2, 5, 3), (3, 4, 4)])
+def test_the_decomposed_all_gather_matmul_equals_gather_then_multiply(world, rows, chunks):
+    """Whole shards, and shards that travel in pieces (uneven ones too)."""
+    results = ok.launch(_decomposed, rows, chunks, world_size=world, link=ok.Link(20, 5))
     for rank, (out, weight_grad, input_grad) in enumerate(results):
         assert out < 1e-5 and weight_grad < 1e-4 and input_grad < 1e-4, (rank, results[rank])
 
 
-def _decomposed_reduce_scatter(world_rows):
+def _decomposed_reduce_scatter(world_rows, chunks=1):
     """Row-parallel with sequence-split output: rank r holds input features r of W and of
     every row of x; its output is its rows, summed over every rank's features."""
     from overlapkit.tensor_parallel import matmul_reduce_scatter
@@ -102,7 +105,7 @@ def _decomposed_reduce_scatter(world_rows):
     rows, feats = slice(me * world_rows, (me + 1) * world_rows), slice(2 * me, 2 * me + 2)
     mine = x[:, feats].detach().requires_grad_(True)
     w = weight[:, feats].detach().clone().requires_grad_(True)
-    out = matmul_reduce_scatter(mine, w)
+    out = matmul_reduce_scatter(mine, w, chunks=chunks)
     out.square().sum().backward()
     return (
         (out - y[rows].detach()).abs().max().item(),
@@ -111,8 +114,36 @@ def _decomposed_reduce_scatter(world_rows):
     )
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_the_decomposed_matmul_reduce_scatter_equals_multiply_then_reduce_scatter(world):
-    results = ok.launch(_decomposed_reduce_scatter, 2, world_size=world, link=ok.Link(20, 5))
+@pytest.mark.parametrize(("world", "rows", "chunks"), [(2, 2, 1), (3, 2, 1), (2, 5, 2), (3, 3, 3)])
+def test_the_decomposed_matmul_reduce_scatter_equals_multiply_then_reduce_scatter(
+    world, rows, chunks
+):
+    results = ok.launch(
+        _decomposed_reduce_scatter, rows, chunks, world_size=world, link=ok.Link(20, 5)
+    )
     for rank, (out, weight_grad, input_grad) in enumerate(results):
         assert out < 1e-4 and weight_grad < 1e-4 and input_grad < 1e-4, (rank, results[rank])
+
+
+def _bad_decomposed(case):
+    from overlapkit.tensor_parallel import all_gather_matmul, matmul_reduce_scatter
+
+    me = ok.rank()
+    if case == "too many chunks":
+        return all_gather_matmul(torch.ones(3, 4), torch.ones(2, 4), chunks=4)
+    if case == "shapes differ":  # rank 1's shard has a different width
+        return all_gather_matmul(torch.ones(3, 4 + me), torch.ones(2, 4 + me))
+    return matmul_reduce_scatter(torch.ones(5, 4), torch.ones(2, 4))  # 5 rows, 2 blocks
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("too many chunks", "chunks=4 is more than the 3 rows of its input shard"),
+        ("shapes differ", "rank 0 has input [3, 4] and weight [2, 4], but rank 1 has input [3, 5]"),
+        ("rows do not split", "5 rows do not split into 2 blocks"),
+    ],
+)
+def test_the_decomposed_matmuls_refuse_bad_input_naming_rank_and_sizes(case, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        ok.launch(_bad_decomposed, case, world_size=2, timeout=30)
