@@ -727,7 +727,9 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes=Non
     both posted before either is waited, so no rank waits in a cycle; its own block is
     a local copy. Each rank sends (N−1)/N of its input, in N−1 steps each paying α.
     Uneven blocks: ``input_split_sizes[j]`` rows go to rank j, ``output_split_sizes[j]``
-    come from rank j (then the ranks first tell each other the counts and check them).
+    come from rank j (then the ranks first tell each other the counts and check them,
+    unless ``check=False``: a caller that exchanged the counts itself, as an MoE layer
+    does once for all its chunks, saves that round of messages).
     """
     me, world = _ring(group)[:2]
     if input.dim() == 0 or output.dim() == 0:
@@ -749,7 +751,7 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes=Non
     recv_at = [sum(expect[:j]) for j in range(world)]
 
     def run():
-        if uneven and world > 1:
+        if uneven and check and world > 1:
             _agree_on_sizes(send, expect, group, input.device)
         elif check and world > 1:
             peers = [_global_rank(group, r) for r in range(world) if r != me]

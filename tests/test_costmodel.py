@@ -185,3 +185,41 @@ def test_transfers_add_to_the_fill_and_drain_and_more_without_overlap():
 def test_all_to_all_pays_one_latency_and_one_block_per_peer():
     assert cm.all_to_all(4e6, 4, 1e-4, 1e-9) == pytest.approx(3 * (1e-4 + 1e6 * 1e-9))
     assert cm.all_to_all(4e6, 1, 1e-4, 1e-9) == 0
+
+
+# ------------------------------------------------------------------ decomposition
+
+
+def test_collective_matmul_in_one_piece_hides_the_transfer_only_under_the_own_shard():
+    # 2 ranks, transfer = 2 × one shard's product: serial 2 + 2; decomposed max(1, 2) + 1
+    r = cm.collective_matmul(2, 1, compute=1.0, transfer=2.0)
+    assert r["serial"] == pytest.approx(4.0) and r["step"] == pytest.approx(3.0)
+    assert r["hidden"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
+def test_collective_matmul_hides_more_in_more_pieces_and_nothing_without_a_transfer(kind):
+    steps = [cm.collective_matmul(3, k, 1 / k, 1.5 / k, kind)["step"] for k in (1, 2, 8)]
+    assert steps[0] > steps[1] > steps[2]
+    free = cm.collective_matmul(3, 4, 0.25, 0.0, kind)
+    assert free["step"] == pytest.approx(3.0) and free["hidden"] == 0.0
+
+
+def test_moe_step_in_one_chunk_is_route_dispatch_compute_combine():
+    r = cm.moe_step(1, route=0.1, expert=1.0, all_to_all=0.5)
+    assert r["step"] == pytest.approx(2.1) and r["hidden"] == 0.0
+
+
+def test_moe_step_pipelines_chunks_behind_one_another():
+    # expert = both all-to-alls per chunk: after D0 the link and the expert keep pace
+    r = cm.moe_step(4, route=0.0, expert=0.25, all_to_all=0.125)
+    assert r["step"] == pytest.approx(0.125 + 4 * 0.25 + 0.125)
+    assert r["hidden"] == pytest.approx(0.75)
+    with pytest.raises(ValueError, match="one expert time and one all-to-all time per chunk"):
+        cm.moe_step(3, 0.0, [1.0, 1.0], 0.1)
+
+
+def test_moe_best_chunks_trades_hidden_transfer_against_latency():
+    fast, _ = cm.moe_best_chunks(1e-3, 10e-3, 2e6, 2, alpha=1e-5, beta=5e-9)
+    slow, steps = cm.moe_best_chunks(1e-3, 10e-3, 2e6, 2, alpha=3e-3, beta=5e-9)
+    assert fast > slow >= 1 and steps[slow] == min(steps.values())
