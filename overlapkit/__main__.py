@@ -98,7 +98,31 @@ def main(argv: list[str] | None = None) -> int:
     bp.add_argument("--reps", type=int, default=5)
     bp.add_argument("--warmup", type=int, default=1)
     bp.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
-    for p in (bl, bc, bd, bp):
+    bt = which.add_parser(
+        "tp", help="decomposed AllGather-matmul and matmul-ReduceScatter vs serial, vs the model"
+    )
+    bt.add_argument("--rows", type=int, default=512, help="rows of each rank's shard")
+    bt.add_argument("--width", type=int, default=1024)
+    bt.add_argument("--world-size", type=int, default=2)
+    bt.add_argument("--chunks", default="1,2,4,8,16", help="chunk counts to sweep")
+    bm = which.add_parser(
+        "moe", help="pipelined MoE all-to-all vs serial, chunk sweep, vs the model"
+    )
+    bm.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+    bm.add_argument("--d-model", type=int, default=128)
+    bm.add_argument("--d-hidden", type=int, default=512)
+    bm.add_argument("--world-size", type=int, default=2)
+    bm.add_argument("--chunks", default="1,2,4,8,16", help="chunk counts (1: serial)")
+    for p in (bt, bm):
+        p.add_argument(
+            "--link",
+            default=None,
+            help="LATENCY_US,BANDWIDTH_GBPS (default: sized so the transfer ≈ the compute)",
+        )
+        p.add_argument("--transfer-share", type=float, default=1.0)
+        p.add_argument("--reps", type=int, default=5)
+        p.add_argument("--warmup", type=int, default=1)
+    for p in (bl, bc, bd, bp, bt, bm):
         p.add_argument("--csv", help="also write the rows to this CSV file")
         p.add_argument("--json", help="also write the rows to this JSON file")
 
@@ -154,6 +178,37 @@ def main(argv: list[str] | None = None) -> int:
             reps=args.reps,
             warmup=args.warmup,
             torch_compare=not args.no_torch,
+            csv_path=args.csv,
+            json_path=args.json,
+        )
+    elif args.bench == "tp":
+        from .bench.tp import run
+
+        run(
+            rows=args.rows,
+            width=args.width,
+            world=args.world_size,
+            chunks=[int(k) for k in args.chunks.split(",")],
+            link=_parse_link(args.link),
+            transfer_share=args.transfer_share,
+            reps=args.reps,
+            warmup=args.warmup,
+            csv_path=args.csv,
+            json_path=args.json,
+        )
+    elif args.bench == "moe":
+        from .bench.moe import run
+
+        run(
+            tokens=args.tokens,
+            d_model=args.d_model,
+            d_hidden=args.d_hidden,
+            world=args.world_size,
+            chunks=[int(k) for k in args.chunks.split(",")],
+            link=_parse_link(args.link),
+            transfer_share=args.transfer_share,
+            reps=args.reps,
+            warmup=args.warmup,
             csv_path=args.csv,
             json_path=args.json,
         )

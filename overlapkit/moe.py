@@ -159,6 +159,7 @@ class MoELayer(torch.nn.Module):
             ) from None
         self._span("route", t0, "compute")
         send_at, recv_at = send.tolist(), recv.tolist()
+        self.tokens_sent = int(send.sum() - send[:, me].sum())  # left this rank
 
         def dispatch(c, pending):
             return AllToAll.apply(x[orders[c]], recv_at[c], send_at[c], self.group, pending)

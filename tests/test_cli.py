@@ -178,3 +178,32 @@ def test_bench_pipeline_reports_bubble_hidden_share_and_predictions(tmp_path):
             assert r["hidden"] == 0  # a blocking send hides nothing
     assert "sized so one transfer costs 30%" in out and "best schedule:" in out
     assert "torch.distributed.pipelining" in out
+
+
+def test_bench_tp_sweeps_chunks_of_both_decomposed_matmuls_against_serial(tmp_path):
+    out_json = tmp_path / "tp.json"
+    out = run("-m", "overlapkit", "bench", "tp", "--rows", "8", "--width", "32", "--chunks",
+              "1,2", "--reps", "1", "--warmup", "1", "--json", str(out_json))  # fmt: skip
+    rows = json.loads(out_json.read_text())["rows"]
+    got = [(r["op"], r["chunks"]) for r in rows]
+    ops = ("AllGather-matmul", "matmul-ReduceScatter")
+    assert got == [(op, k) for op in ops for k in ("serial", 1, 2)]
+    for r in rows:
+        assert r["step_ms"] > 0 and r["predicted_ms"] > 0 and 0 <= r["hidden"] <= 1
+        if r["chunks"] == "serial":
+            assert r["x_serial"] == 1 and r["hidden"] == 0
+    assert "sized so the serial collective's transfer" in out
+    assert "AllGather-matmul: best chunks" in out and "the model's best" in out
+
+
+def test_bench_moe_sweeps_chunk_counts_against_the_serial_layer(tmp_path):
+    out_json = tmp_path / "moe.json"
+    out = run("-m", "overlapkit", "bench", "moe", "--tokens", "16", "--d-model", "8",
+              "--d-hidden", "16", "--chunks", "2", "--reps", "1", "--warmup", "1",
+              "--json", str(out_json))  # fmt: skip
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [r["chunks"] for r in rows] == [1, 2]  # the serial layer always runs
+    assert rows[0]["x_serial"] == 1 and rows[0]["hidden"] == 0
+    for r in rows:
+        assert r["step_ms"] > 0 and r["predicted_ms"] > 0 and r["host_ms"] >= 0
+    assert "best chunk count:" in out and "one expert each" in out
