@@ -11,6 +11,7 @@ from .lab00 import check_fit_alpha_beta, check_ping_pong
 from .lab01 import check_bytes_moved
 from .lab04 import check_zero1_step
 from .lab05 import check_overlapped_step, check_timed_step
+from .lab11 import check_ag_matmul, check_chunked_moe
 from .pipeline import check_1f1b_schedule, check_gpipe_step
 from .report import Report
 
@@ -30,4 +31,6 @@ __all__ = [
     "check_bucketed_ddp",
     "check_1f1b_schedule",
     "check_gpipe_step",
+    "check_ag_matmul",
+    "check_chunked_moe",
 ]

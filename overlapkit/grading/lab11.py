@@ -1,0 +1,404 @@
+"""Checks for lab 11: the decomposed AllGather-matmul, and the chunked (pipelined) MoE."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from .. import handles
+from .collectives import CHECK_LINK
+from .common import run_or_report
+from .report import Report
+
+# --------------------------------------------------------------------------- shared
+
+
+@contextlib.contextmanager
+def _forbidden(names: dict):
+    """Replace kit functions (``{"attr on overlapkit": "what to say"}``) by recorders for
+    the learner's call; yields the list of names called."""
+    import overlapkit as ok  # noqa: PLC0415
+
+    called, saved = [], {}
+    for dotted in names:
+        owner, attr = _resolve(ok, dotted)
+        saved[dotted] = (owner, attr, getattr(owner, attr))
+
+        def recorder(*args, _name=dotted, _fn=saved[dotted][2], **kwargs):
+            called.append(_name)
+            return _fn(*args, **kwargs)
+
+        setattr(owner, attr, recorder)
+    try:
+        yield called
+    finally:
+        for owner, attr, fn in saved.values():
+            setattr(owner, attr, fn)
+
+
+_BUILTINS = ("all_gather_into_tensor", "all_gather", "all_to_all_single", "all_to_all",
+             "all_reduce", "reduce_scatter_tensor", "broadcast")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _builtins():
+    """Record calls of torch.distributed's collectives (the exercise builds its own)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    called, saved = [], {name: getattr(dist, name) for name in _BUILTINS}
+    for name, fn in saved.items():
+
+        def recorder(*args, _name=name, _fn=fn, **kwargs):
+            called.append(f"torch.distributed.{_name}")
+            return _fn(*args, **kwargs)
+
+        setattr(dist, name, recorder)
+    try:
+        yield called
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def _resolve(root, dotted: str):
+    *path, attr = dotted.split(".")
+    owner = root
+    for part in path:
+        owner = getattr(owner, part)
+    return owner, attr
+
+
+class _Log:
+    """Times of message posts and waits (``ok.p2p`` and ``ok.all_to_all``) and of compute
+    calls, in one list of (time, event, index)."""
+
+    def __init__(self):
+        self.events: list[tuple[float, str, int]] = []
+
+    def mark(self, event: str, index: int) -> None:
+        self.events.append((time.perf_counter(), event, index))
+
+    def wrap_handle(self, handle, event: str, index: int):
+        original = handle.wait
+
+        def wait(*args, **kwargs):
+            result = original(*args, **kwargs)
+            self.mark(event, index)
+            return result
+
+        handle.wait = wait
+        return handle
+
+
+def _overlapped(events, issued: str, waited: str, compute: str) -> int:
+    """How many ``issued`` messages were in flight across a whole ``compute`` call."""
+    starts = {i: t for t, e, i in events if e == issued}
+    ends = {i: t for t, e, i in events if e == waited}
+    spans = [(t, e, i) for t, e, i in events if e in (compute + " start", compute + " end")]
+    calls = []
+    for t, e, _ in spans:
+        if e.endswith("start"):
+            calls.append([t, None])
+        elif calls:
+            calls[-1][1] = t
+    return sum(
+        1 for i, t0 in starts.items()
+        if any(a > t0 and b is not None and b < ends.get(i, float("inf")) for a, b in calls)
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- AG-matmul
+
+ROWS, FEATURES, OUT = 3, 5, 4
+_PRODUCTS = {"matmul", "__matmul__", "mm", "linear", "addmm", "einsum", "bmm"}
+
+_AG_FORBIDDEN = {
+    "ring_all_gather": "ok.ring_all_gather",
+    "tensor_parallel.all_gather_matmul": "ok.tensor_parallel.all_gather_matmul",
+    "all_to_all": "ok.all_to_all",
+}
+
+
+def _run_ag(ag_matmul):
+    import overlapkit as ok  # noqa: PLC0415
+
+    me, world = ok.rank(), ok.world_size()
+    gen = torch.Generator().manual_seed(7)
+    full = torch.randn(world * ROWS, FEATURES, generator=gen)
+    weight = torch.randn(OUT, FEATURES, generator=torch.Generator().manual_seed(8 + me))
+    x = full[me * ROWS : (me + 1) * ROWS].clone()
+    log = _Log()
+    orig_isend, orig_irecv = ok.p2p.isend, ok.p2p.irecv
+    counter = {"send": 0, "recv": 0}
+
+    def isend(tensor, dst, group=None):
+        n = counter["send"] = counter["send"] + 1
+        log.mark("send", n)
+        return log.wrap_handle(orig_isend(tensor, dst, group), "send waited", n)
+
+    def irecv(tensor, src, group=None):
+        n = counter["recv"] = counter["recv"] + 1
+        log.mark("recv", n)
+        return log.wrap_handle(orig_irecv(tensor, src, group), "recv waited", n)
+
+    class Watched(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            product = getattr(func, "__name__", "") in _PRODUCTS
+            if product:
+                log.mark("matmul start", 0)
+            out = func(*args, **(kwargs or {}))
+            if product:
+                log.mark("matmul end", 0)
+            return out
+
+    handles.take_unwaited()
+    ok.p2p.isend, ok.p2p.irecv = isend, irecv
+    try:
+        with _forbidden(_AG_FORBIDDEN) as called, _builtins() as builtin, Watched():
+            got = ag_matmul(x, weight)
+    finally:
+        ok.p2p.isend, ok.p2p.irecv = orig_isend, orig_irecv
+    return {
+        "got": got if isinstance(got, torch.Tensor) else repr(got)[:80],
+        "want": full @ weight.t(),
+        "shards": [full[r * ROWS : (r + 1) * ROWS] @ weight.t() for r in range(world)],
+        "called": called,
+        "builtin": builtin,
+        "events": log.events,
+        "unwaited": handles.take_unwaited(),
+    }
+
+
+def check_ag_matmul(ag_matmul, timeout: float = 20.0) -> Report:
+    """Check ``ag_matmul(x, weight)`` (``AllGather(x) @ weightᵀ`` round the ring, each
+    shard multiplied while the next travels) on 2 and 3 ranks against gather-then-multiply:
+    which rank, which block of rows (whose shard) differs; then that it was built from
+    ``ok.p2p`` messages and that a transfer was in flight during a multiplication."""
+    report = Report("ag_matmul")
+    for world in (2, 3):
+        what = f"ag_matmul on {world} ranks"
+        results = run_or_report(report, what, _run_ag, ag_matmul, world_size=world,
+                                timeout=timeout, link=CHECK_LINK)  # fmt: skip
+        if results is None or not _ag_results(report, what, results, world):
+            return report
+    report.ok("every rank holds AllGather(x) @ Wᵀ, shard by shard, on 2 and 3 ranks")
+    return report
+
+
+def _ag_results(report, what, results, world) -> bool:
+    for rank, (res, traffic) in enumerate(results):
+        if res["called"]:
+            name = _AG_FORBIDDEN[res["called"][0]]
+            report.fail(
+                f"{what}: rank {rank} called {name}, which does the gathering for you: "
+                "pass the shards round the ring with ok.p2p.isend / irecv yourself"
+            )
+            return False
+        direct = sorted(set(traffic.direct) | set(res["builtin"]))
+        if direct:
+            report.fail(f"{what}: rank {rank} called {', '.join(direct)}: "
+                        "build it from ok.p2p.isend / irecv (only the kit's messages travel "
+                        "over the emulated link)")  # fmt: skip
+            return False
+        if res["unwaited"]:
+            report.fail(
+                f"{what}: rank {rank} never waited for {len(res['unwaited'])} operation(s), "
+                f"e.g. {res['unwaited'][0]}: wait for every one before using what it "
+                "delivers (and before returning)"
+            )
+            return False
+        got, want = res["got"], res["want"]
+        if not isinstance(got, torch.Tensor):
+            report.fail(f"{what}: rank {rank} returned {got}, not a tensor of shape "
+                        f"{list(want.shape)}")  # fmt: skip
+            return False
+        if got.shape != want.shape:
+            report.fail(f"{what}: rank {rank} returned shape {list(got.shape)}; expected "
+                        f"{list(want.shape)} (every rank's {ROWS} rows, this rank's "
+                        f"{OUT} output features)")  # fmt: skip
+            return False
+        for src in range(world):
+            block = got[src * ROWS : (src + 1) * ROWS]
+            if torch.allclose(block, res["shards"][src], atol=1e-5):
+                continue
+            holds = next(
+                (
+                    r
+                    for r in range(world)
+                    if r != src and torch.allclose(block, res["shards"][r], atol=1e-5)
+                ),
+                None,
+            )
+            diff = (block - res["shards"][src]).abs()
+            i, j = divmod(int(diff.argmax()), OUT)
+            hint = (
+                f" — they hold shard {holds}'s product: the shard in hand at ring step k came "
+                f"from rank (rank − k) mod N, and its rows go to block (rank − k) mod N"
+                if holds is not None
+                else " — a shard used before its receive was waited (or never received) "
+                "leaves garbage there: wait for the receive before multiplying what came"
+            )
+            report.fail(
+                f"{what}: rank {rank}, rows {src * ROWS}–{(src + 1) * ROWS - 1} (shard of rank "
+                f"{src}): at row {src * ROWS + i}, column {j} expected "
+                f"{res['shards'][src][i, j].item():.4f}, got {block[i, j].item():.4f}{hint}"
+            )
+            return False
+    for rank, (res, _) in enumerate(results):
+        sends = sum(1 for _, e, _ in res["events"] if e == "send")
+        if sends < world - 1:
+            report.fail(f"{what}: rank {rank} sent {sends} message(s); passing every shard on "
+                        f"round the ring takes N − 1 = {world - 1}")  # fmt: skip
+            return False
+        if _overlapped(res["events"], "recv", "recv waited", "matmul") == 0:
+            report.fail(
+                f"{what}: rank {rank} waited for each incoming shard before it "
+                "multiplied the one in hand: no transfer was in flight during a "
+                "multiplication. Post the send and the receive, multiply, then wait"
+            )
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------- chunked MoE
+
+TOKENS, D = 11, 4  # per rank: not a multiple of the chunk counts checked
+
+
+def _run_moe(chunked_moe, chunks):
+    import overlapkit as ok  # noqa: PLC0415
+
+    me, world = ok.rank(), ok.world_size()
+    n = TOKENS + me  # ranks hold different token counts
+    x = torch.randn(n, D, generator=torch.Generator().manual_seed(20 + me))
+    expert_of = torch.randint(0, world, (n,), generator=torch.Generator().manual_seed(30 + me))
+    torch.manual_seed(40)
+    experts = [torch.nn.Linear(D, D) for _ in range(world)]
+    want = torch.stack([experts[int(e)](t) for t, e in zip(x, expert_of, strict=True)]).detach()
+    log = _Log()
+    counter = [0]
+    orig = ok.all_to_all
+
+    outputs: set = set()  # storages of the expert's outputs: what a combine sends
+
+    def all_to_all(*args, **kwargs):
+        counter[0] += 1
+        n_ = counter[0]
+        source = args[1] if len(args) > 1 else kwargs.get("input")
+        combine = isinstance(source, torch.Tensor) and source.data_ptr() in outputs
+        log.mark("combine" if combine else "a2a", n_)
+        handle = orig(*args, **kwargs)
+        if kwargs.get("async_op"):
+            return log.wrap_handle(handle, "a2a waited", n_)
+        log.mark("a2a waited", n_)
+        return handle
+
+    expert = experts[me]
+    orig_forward = expert.forward
+
+    def forward(inp):
+        log.mark("expert start", 0)
+        out = orig_forward(inp)
+        log.mark("expert end", 0)
+        outputs.add(out.data_ptr())
+        return out
+
+    expert.forward = forward
+    handles.take_unwaited()
+    ok.all_to_all = all_to_all
+    try:
+        with (_forbidden({"moe.MoELayer": "ok.moe.MoELayer"}) as called, _builtins() as builtin,
+              torch.no_grad()):  # fmt: skip
+            got = chunked_moe(x, expert_of, expert, chunks)
+    finally:
+        ok.all_to_all = orig
+    return {
+        "got": got if isinstance(got, torch.Tensor) else repr(got)[:80],
+        "want": want,
+        "called": called,
+        "builtin": builtin,
+        "events": log.events,
+        "a2a": counter[0],
+        "unwaited": handles.take_unwaited(),
+        "expert_of": expert_of,
+    }
+
+
+def check_chunked_moe(chunked_moe, timeout: float = 20.0) -> Report:
+    """Check ``chunked_moe(x, expert_of, expert, chunks)`` (every token through the expert
+    ``expert_of`` names, on that expert's rank; tokens in ``chunks`` chunks, the next
+    chunk's dispatch in flight while this one's expert computes) on 2 and 3 ranks, with
+    token counts that differ by rank and do not divide into the chunks."""
+    report = Report("chunked_moe")
+    for world, chunks in ((2, 1), (2, 3), (3, 4)):
+        what = f"chunked_moe on {world} ranks, {chunks} chunk{'s' if chunks > 1 else ''}"
+        results = run_or_report(report, what, _run_moe, chunked_moe, chunks, world_size=world,
+                                timeout=timeout, link=CHECK_LINK)  # fmt: skip
+        if results is None or not _moe_results(report, what, results, chunks):
+            return report
+        report.ok(f"{what}: every token came back with its expert's output")
+    return report
+
+
+def _moe_results(report, what, results, chunks) -> bool:
+    for rank, (res, traffic) in enumerate(results):
+        if res["called"]:
+            report.fail(f"{what}: rank {rank} used ok.moe.MoELayer, the kit's answer: "
+                        "dispatch and combine with ok.all_to_all yourself")  # fmt: skip
+            return False
+        direct = sorted(set(traffic.direct) | set(res["builtin"]))
+        if direct:
+            report.fail(
+                f"{what}: rank {rank} called {', '.join(direct)}: "
+                "use ok.all_to_all (only the kit's messages travel over the link)"
+            )
+            return False
+        if res["unwaited"]:
+            report.fail(
+                f"{what}: rank {rank} never waited for {len(res['unwaited'])} operation(s), "
+                f"e.g. {res['unwaited'][0]}: wait for every one before using what it "
+                "delivers (and before returning)"
+            )
+            return False
+        got, want = res["got"], res["want"]
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+            shape = list(got.shape) if isinstance(got, torch.Tensor) else got
+            report.fail(
+                f"{what}: rank {rank} returned {shape}; expected a tensor of shape "
+                f"{list(want.shape)}: one output per token, in the tokens' order"
+            )
+            return False
+        bad = [i for i in range(len(want)) if not torch.allclose(got[i], want[i], atol=1e-5)]
+        if bad:
+            i = bad[0]
+            twin = next((j for j in range(len(want))
+                         if torch.allclose(got[i], want[j], atol=1e-5)), None)  # fmt: skip
+            hint = (
+                f" — it holds token {twin}'s output: put each returned row back at its token's "
+                "place (undo the sort by expert)"
+                if twin is not None
+                else " — a received chunk read before its all-to-all was waited, or split "
+                "sizes that send rows to the wrong expert, give such values"
+            )
+            report.fail(
+                f"{what}: rank {rank}, token {i} (expert {int(res['expert_of'][i])}): expected "
+                f"{[round(v, 4) for v in want[i].tolist()]}, got "
+                f"{[round(v, 4) for v in got[i].tolist()]}; {len(bad)} of {len(want)} tokens "
+                f"differ{hint}"
+            )
+            return False
+    for rank, (res, _) in enumerate(results):
+        if res["a2a"] < 2 * chunks:
+            report.fail(
+                f"{what}: rank {rank} ran {res['a2a']} all-to-all(s); chunking the "
+                f"tokens means one dispatch and one combine per chunk ({2 * chunks})"
+            )
+            return False
+        if chunks > 1 and _overlapped(res["events"], "a2a", "a2a waited", "expert") == 0:
+            report.fail(f"{what}: rank {rank} had no dispatch in flight while its expert "
+                        "computed: issue the next chunk's dispatch (async_op=True) before "
+                        "computing this one, and wait for it only when you need it")  # fmt: skip
+            return False
+    return True
