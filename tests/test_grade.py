@@ -1,0 +1,162 @@
+"""``python -m overlapkit.grade``: scores, reasons, limits, tampering, formats.
+
+A small lab of two single-process exercises (lab 08's 1F1B generator and lab 07's
+bucket assignment) keeps these fast; the real labs are graded by the same code.
+"""
+
+import json
+import subprocess
+import sys
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+from overlapkit.grade import grade_notebook
+
+ONE_F_ONE_B = """def one_f_one_b(stages, micro_batches):
+    plan = []
+    for s in range(stages):
+        warm = min(stages - s - 1, micro_batches)
+        actions = [f"F{k}" for k in range(warm)]
+        for k in range(micro_batches - warm):
+            actions += [f"F{warm + k}", f"B{k}"]
+        actions += [f"B{k}" for k in range(micro_batches - warm, micro_batches)]
+        plan.append(actions)
+    return plan"""
+
+ASSIGN = """def assign_buckets(sizes, bucket_mb):
+    limit = float("inf") if bucket_mb is None else bucket_mb * 2**20
+    buckets, total = [], 0
+    for i, nbytes in enumerate(sizes):
+        if buckets and total + nbytes <= limit:
+            buckets[-1].append(i)
+            total += nbytes
+        else:
+            buckets.append([i])
+            total = nbytes
+    return buckets"""
+
+UNFINISHED = "def {name}(*args):\n    # YOUR CODE HERE\n    raise NotImplementedError"
+CHECK_1F1B = "ok.grading.check_1f1b_schedule(one_f_one_b)"
+CHECK_BUCKETS = "ok.grading.check_assign_buckets(assign_buckets)"
+
+
+def _notebook(first, second, extra=(), checks=(CHECK_1F1B, CHECK_BUCKETS)):
+    cells = [new_markdown_cell("# a lab"), new_code_cell("import overlapkit as ok"),
+             *[new_code_cell(c) for c in extra], new_code_cell(first),
+             new_code_cell(checks[0]), new_code_cell(second), new_code_cell(checks[1])]  # fmt: skip
+    nb = new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    return nb
+
+
+@pytest.fixture
+def labs(tmp_path):
+    """A labs folder with the original: both exercises unfinished."""
+    folder = tmp_path / "labs"
+    folder.mkdir()
+    lab = _notebook(UNFINISHED.format(name="one_f_one_b"), UNFINISHED.format(name="assign_buckets"))
+    nbformat.write(lab, folder / "99_grading_test.ipynb")
+    return folder
+
+
+def _student(tmp_path, nb, name="99_grading_test.ipynb"):
+    folder = tmp_path / "students"
+    folder.mkdir(exist_ok=True)
+    path = folder / name
+    nbformat.write(nb, path)
+    return path
+
+
+def _by_name(result):
+    return {e["name"]: e for e in result["exercises"]}
+
+
+def test_a_solved_notebook_gets_full_marks_and_the_lab_itself_zero(tmp_path, labs):
+    solved = grade_notebook(_student(tmp_path, _notebook(ONE_F_ONE_B, ASSIGN)), labs)
+    assert solved["score"] == solved["max_score"] == 6.0  # 3 + 3 points
+    assert all(e["points"] == e["max_points"] for e in solved["exercises"])
+    blank = grade_notebook(labs / "99_grading_test.ipynb", labs)
+    assert blank["score"] == 0 and blank["max_score"] == 6.0
+    assert "not implemented yet" in _by_name(blank)["1f1b_schedule"]["feedback"]
+
+
+def test_one_broken_exercise_gives_partial_marks_with_its_reason(tmp_path, labs):
+    broken = ONE_F_ONE_B.replace("warm = min(stages - s - 1, micro_batches)", "warm = 0")
+    result = grade_notebook(_student(tmp_path, _notebook(broken, ASSIGN)), labs)
+    ex = _by_name(result)
+    assert ex["assign_buckets"]["points"] == 3.0
+    assert ex["1f1b_schedule"]["points"] < 3.0
+    assert "✘ 3 stages, 4 micro-batches, stage 0" in ex["1f1b_schedule"]["feedback"]
+    assert 3.0 <= result["score"] < 6.0
+
+
+def test_a_hanging_cell_and_a_hanging_exercise_are_scored_within_the_limits(tmp_path, labs):
+    hang = "def one_f_one_b(stages, micro_batches):\n    while True:\n        pass"
+    nb = _notebook(hang, ASSIGN, extra=["import time\ntime.sleep(600)"])
+    result = grade_notebook(_student(tmp_path, nb), labs, cell_limit=3, check_limit=8)
+    ex = _by_name(result)
+    assert "did not finish within 8 s" in ex["1f1b_schedule"]["feedback"]
+    assert ex["assign_buckets"]["points"] == 3.0  # the rest still scores
+    assert any("ran past the 3 s limit per cell" in n for n in result["notes"])
+
+
+def test_an_edited_check_cell_scores_zero_and_does_not_raise_the_score(tmp_path, labs):
+    tampered = (CHECK_1F1B.replace("check_1f1b_schedule(one_f_one_b)", "check_1f1b_schedule(x)"),
+                CHECK_BUCKETS)  # fmt: skip
+    nb = _notebook(UNFINISHED.format(name="one_f_one_b"), ASSIGN, checks=tampered)
+    nb.cells.append(new_code_cell('print("✔ all good")'))
+    ex = _by_name(grade_notebook(_student(tmp_path, nb), labs))
+    assert ex["1f1b_schedule"]["points"] == 0
+    assert "was edited or deleted" in ex["1f1b_schedule"]["feedback"]
+
+
+def test_a_notebook_with_its_own_ok_scores_zero_with_the_reason(tmp_path, labs):
+    fake = (
+        "class ok:\n    class grading:\n        @staticmethod\n"
+        "        def check_1f1b_schedule(f):\n            print('✔')"
+    )
+    nb = _notebook(ONE_F_ONE_B, ASSIGN, extra=[fake])
+    result = grade_notebook(_student(tmp_path, nb), labs)
+    assert result["score"] == 0
+    assert "binds `ok` to something else" in result["exercises"][0]["feedback"]
+
+
+def test_grading_a_folder_prints_one_result_per_notebook_and_gradescope_json(tmp_path, labs):
+    for i in range(5):
+        nb = _notebook(ONE_F_ONE_B if i % 2 else UNFINISHED.format(name="one_f_one_b"), ASSIGN)
+        _student(tmp_path, nb, f"student{i}.ipynb")
+    # the graded notebooks are named as the lab they come from
+    (labs / "student0.ipynb").write_text((labs / "99_grading_test.ipynb").read_text())
+    for i in range(1, 5):
+        (labs / f"student{i}.ipynb").write_text((labs / "99_grading_test.ipynb").read_text())
+    cmd = [
+        sys.executable,
+        "-m",
+        "overlapkit.grade",
+        str(tmp_path / "students"),
+        "--labs",
+        str(labs),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    results = json.loads(done.stdout)
+    assert [r["score"] for r in results] == [3.0, 6.0, 3.0, 6.0, 3.0]
+    out = tmp_path / "results.json"
+    done = subprocess.run([*cmd, "--format", "gradescope", "--output", str(out)],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    data = json.loads(out.read_text())
+    assert data["score"] == 21.0 and len(data["tests"]) == 10
+    assert set(data["tests"][0]) == {"name", "score", "max_score", "output"}
+
+
+def test_a_notebook_that_is_not_a_lab_is_reported_not_crashed(tmp_path, labs):
+    path = _student(tmp_path, _notebook(ONE_F_ONE_B, ASSIGN), "unknown.ipynb")
+    result = grade_notebook(path, labs)
+    assert "not a lab of this kit" in result["error"] and result["score"] == 0
