@@ -139,8 +139,33 @@ def test_the_ag_matmul_solution_passes():
             ],
             "called torch.distributed.all_gather_into_tensor",
         ),
+        # waits before the multiplication, and again after (the second wait is a no-op)
+        (
+            [
+                (
+                    "            out[src * rows : (src + 1) * rows] = chunk @ weight.t()\n",
+                    "            for h in handles:\n                h.wait()\n"
+                    "            out[src * rows : (src + 1) * rows] = chunk @ weight.t()\n",
+                )
+            ],
+            "waited for each incoming shard before it multiplied",
+        ),
+        # the next shard received into the one being sent and multiplied
+        (
+            [("                nxt = torch.empty_like(chunk)", "                nxt = chunk")],
+            "received the next shard into the tensor it was still sending",
+        ),
     ],
-    ids=["wrong index", "missing wait", "kit gather", "no overlap", "never forwards", "built-in"],
+    ids=[
+        "wrong index",
+        "missing wait",
+        "kit gather",
+        "no overlap",
+        "never forwards",
+        "built-in",
+        "waited early and again",
+        "received over the shard in hand",
+    ],
 )
 def test_ag_matmul_mistakes_are_named(edits, words):
     report = ok.grading.check_ag_matmul(_build(AG, "ag_matmul", *edits))
@@ -211,8 +236,26 @@ def test_the_chunked_moe_solution_passes():
             ],
             "called torch.distributed.all_to_all_single",
         ),
+        # the next dispatch issued early but waited at once, before this chunk computes
+        (
+            [
+                (
+                    "            nxt = dispatch(c + 1) if c + 1 < chunks else None\n",
+                    "            nxt = dispatch(c + 1) if c + 1 < chunks else None\n"
+                    "            if nxt:\n                nxt[1].wait()\n",
+                )
+            ],
+            "no dispatch in flight while its expert computed",
+        ),
     ],
-    ids=["not unsorted", "swapped splits", "not pipelined", "missing wait", "built-in"],
+    ids=[
+        "not unsorted",
+        "swapped splits",
+        "not pipelined",
+        "missing wait",
+        "built-in",
+        "next dispatch waited at once",
+    ],
 )
 def test_chunked_moe_mistakes_are_named(edits, words):
     report = ok.grading.check_chunked_moe(_build(MOE, "chunked_moe", *edits))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 
 from ..launcher import LaunchError, LaunchTimeoutError
@@ -56,7 +57,23 @@ def report_failure(report: Report, what: str, exc: BaseException, timeout: float
     else:  # the learner's own exception, re-raised from its rank
         rank = getattr(exc, "rank", "?")
         text = f"{type(exc).__name__}: {exc}"
-        report.fail(f"{what}: rank {rank} raised {text}{explain(text)}")
+        report.fail(f"{what}: rank {rank} raised {text}{_learner_line(exc)}{explain(text)}")
+
+
+def _learner_line(exc: BaseException) -> str:
+    """Where in the learner's code a rank's exception came from: the last frame of its
+    remote traceback outside the kit and its libraries (" (at file:line, in fn: code)")."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n {4}(.*)', str(exc.__cause__ or ""))
+    mine = [f for f in frames if not _library_file(f[0])]
+    if not mine:
+        return ""
+    path, line, fn, code = mine[-1]
+    return f" (at {os.path.basename(path)}:{line}, in {fn}: {code.strip()})"
+
+
+def _library_file(path: str) -> bool:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # overlapkit/
+    return path.startswith(here) or "site-packages" in path or path.startswith("<frozen")
 
 
 def _all_blocked(text: str) -> str:

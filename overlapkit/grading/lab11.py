@@ -83,18 +83,23 @@ class _Log:
     def wrap_handle(self, handle, event: str, index: int):
         original = handle.wait
 
+        waited = []
+
         def wait(*args, **kwargs):
             result = original(*args, **kwargs)
-            self.mark(event, index)
+            if not waited:  # the first wait is when the data was asked for
+                waited.append(True)
+                self.mark(event, index)
             return result
 
         handle.wait = wait
         return handle
 
 
-def _overlapped(events, issued: str, waited: str, compute: str) -> int:
-    """How many ``issued`` messages were in flight across a whole ``compute`` call."""
-    starts = {i: t for t, e, i in events if e == issued}
+def _overlapped(events, issued: str, waited: str, compute: str, only=None) -> int:
+    """How many ``issued`` messages (those numbered in ``only``, if given) were in flight,
+    posted and not yet waited, across a whole ``compute`` call."""
+    starts = {i: t for t, e, i in events if e == issued and (only is None or i in only)}
     ends = {i: t for t, e, i in events if e == waited}
     spans = [(t, e, i) for t, e, i in events if e in (compute + " start", compute + " end")]
     calls = []
@@ -133,14 +138,29 @@ def _run_ag(ag_matmul):
     orig_isend, orig_irecv = ok.p2p.isend, ok.p2p.irecv
     counter = {"send": 0, "recv": 0}
 
+    sending: dict = {}  # data_ptr -> the send's handle, while it may still read it
+    aliased = []
+
     def isend(tensor, dst, group=None):
         n = counter["send"] = counter["send"] + 1
         log.mark("send", n)
-        return log.wrap_handle(orig_isend(tensor, dst, group), "send waited", n)
+        handle = log.wrap_handle(orig_isend(tensor, dst, group), "send waited", n)
+        ptr, inner = tensor.data_ptr(), handle.wait
+        sending[ptr] = handle
+
+        def wait(*args, **kwargs):
+            result = inner(*args, **kwargs)
+            sending.pop(ptr, None)  # sent: its memory may be used again
+            return result
+
+        handle.wait = wait
+        return handle
 
     def irecv(tensor, src, group=None):
         n = counter["recv"] = counter["recv"] + 1
         log.mark("recv", n)
+        if tensor.data_ptr() in sending:  # receiving over what is being sent
+            aliased.append(n)
         return log.wrap_handle(orig_irecv(tensor, src, group), "recv waited", n)
 
     class Watched(torch.overrides.TorchFunctionMode):
@@ -167,6 +187,7 @@ def _run_ag(ag_matmul):
         "called": called,
         "builtin": builtin,
         "events": log.events,
+        "aliased": aliased,
         "unwaited": handles.take_unwaited(),
     }
 
@@ -207,6 +228,13 @@ def _ag_results(report, what, results, world) -> bool:
                 f"{what}: rank {rank} never waited for {len(res['unwaited'])} operation(s), "
                 f"e.g. {res['unwaited'][0]}: wait for every one before using what it "
                 "delivers (and before returning)"
+            )
+            return False
+        if res["aliased"]:
+            report.fail(
+                f"{what}: rank {rank} received the next shard into the tensor it was still "
+                "sending (and multiplying): the arriving shard overwrites the one in hand. "
+                "Receive into a new tensor (torch.empty_like) and swap after the wait"
             )
             return False
         got, want = res["got"], res["want"]
@@ -282,12 +310,17 @@ def _run_moe(chunked_moe, chunks):
     orig = ok.all_to_all
 
     outputs: set = set()  # storages of the expert's outputs: what a combine sends
+    received: dict = {}  # an all-to-all's output storage -> its number
+    dispatches: set = set()  # all-to-alls whose output the expert then computed on
 
     def all_to_all(*args, **kwargs):
         counter[0] += 1
         n_ = counter[0]
         source = args[1] if len(args) > 1 else kwargs.get("input")
         combine = isinstance(source, torch.Tensor) and source.data_ptr() in outputs
+        target = args[0] if args else kwargs.get("output")
+        if isinstance(target, torch.Tensor):
+            received[target.data_ptr()] = n_
         log.mark("combine" if combine else "a2a", n_)
         handle = orig(*args, **kwargs)
         if kwargs.get("async_op"):
@@ -299,6 +332,8 @@ def _run_moe(chunked_moe, chunks):
     orig_forward = expert.forward
 
     def forward(inp):
+        if isinstance(inp, torch.Tensor) and inp.data_ptr() in received:
+            dispatches.add(received[inp.data_ptr()])
         log.mark("expert start", 0)
         out = orig_forward(inp)
         log.mark("expert end", 0)
@@ -321,6 +356,7 @@ def _run_moe(chunked_moe, chunks):
         "builtin": builtin,
         "events": log.events,
         "a2a": counter[0],
+        "dispatches": dispatches,
         "unwaited": handles.take_unwaited(),
         "expert_of": expert_of,
     }
@@ -379,8 +415,9 @@ def _moe_results(report, what, results, chunks) -> bool:
                 f" — it holds token {twin}'s output: put each returned row back at its token's "
                 "place (undo the sort by expert)"
                 if twin is not None
-                else " — a received chunk read before its all-to-all was waited, or split "
-                "sizes that send rows to the wrong expert, give such values"
+                else " — rows sent to the wrong expert give such values: sort each chunk's "
+                "tokens by expert before the dispatch (block j of what you send goes to rank "
+                "j) and give the split sizes in rank order"
             )
             report.fail(
                 f"{what}: rank {rank}, token {i} (expert {int(res['expert_of'][i])}): expected "
@@ -396,7 +433,10 @@ def _moe_results(report, what, results, chunks) -> bool:
                 f"tokens means one dispatch and one combine per chunk ({2 * chunks})"
             )
             return False
-        if chunks > 1 and _overlapped(res["events"], "a2a", "a2a waited", "expert") == 0:
+        if (
+            chunks > 1
+            and _overlapped(res["events"], "a2a", "a2a waited", "expert", res["dispatches"]) == 0
+        ):
             report.fail(f"{what}: rank {rank} had no dispatch in flight while its expert "
                         "computed: issue the next chunk's dispatch (async_op=True) before "
                         "computing this one, and wait for it only when you need it")  # fmt: skip
