@@ -11,6 +11,7 @@ from .lab00 import check_fit_alpha_beta, check_ping_pong
 from .lab01 import check_bytes_moved
 from .lab04 import check_zero1_step
 from .lab05 import check_overlapped_step, check_timed_step
+from .lab09 import check_average_parameters
 from .lab11 import check_ag_matmul, check_chunked_moe
 from .pipeline import check_1f1b_schedule, check_gpipe_step
 from .report import Report
@@ -32,6 +33,7 @@ POINTS = {
     "check_bucketed_ddp": 5,
     "check_1f1b_schedule": 3,
     "check_gpipe_step": 5,
+    "check_average_parameters": 3,
     "check_ag_matmul": 4,
     "check_chunked_moe": 5,
 }
@@ -53,6 +55,7 @@ __all__ = [
     "check_bucketed_ddp",
     "check_1f1b_schedule",
     "check_gpipe_step",
+    "check_average_parameters",
     "check_ag_matmul",
     "check_chunked_moe",
 ]

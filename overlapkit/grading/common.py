@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -110,3 +111,29 @@ def call_or_report(report: Report, what: str, fn, *args):
     except Exception as exc:  # noqa: BLE001 - a crash is one ✘ line
         report.fail(f"{what}: raised {type(exc).__name__}: {exc}")
         return False, None
+
+
+# the *_single names exist from torch 2.13 on
+_BUILTINS = ("all_gather_into_tensor", "all_gather_single", "all_gather", "all_to_all_single",
+             "all_to_all", "all_reduce", "reduce_scatter_tensor", "reduce_scatter_single",
+             "broadcast")  # fmt: skip
+
+
+@contextlib.contextmanager
+def builtin_collectives():
+    """Record calls of torch.distributed's collectives (the exercise builds its own)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    called, saved = [], {n: getattr(dist, n) for n in _BUILTINS if hasattr(dist, n)}
+    for name, fn in saved.items():
+
+        def recorder(*args, _name=name, _fn=fn, **kwargs):
+            called.append(f"torch.distributed.{_name}")
+            return _fn(*args, **kwargs)
+
+        setattr(dist, name, recorder)
+    try:
+        yield called
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)

@@ -168,6 +168,19 @@ def _builtins(results) -> str | None:
     return None
 
 
+def _kept_hint(events, step: int) -> str:
+    """A list of pending operations never emptied explains a wrong gradient in any later
+    step, however the timing of the re-waited operations made it look."""
+    kept = [e["left"] for e in events[:step]]
+    if not any(kept):
+        return ""
+    return (
+        f" self.pending still held {max(kept)} entries after an earlier step's "
+        "finish_gradient_synchronization(): that step's operations are waited and their "
+        "gradients divided again — clear your list of pending operations at the end of finish"
+    )
+
+
 def _compare(report: Report, results, world: int, expect=None) -> bool:
     """First (step, rank, parameter, element) where the averaged gradient or the
     weights differ from one process training on the whole batch."""
@@ -197,7 +210,10 @@ def _compare(report: Report, results, world: int, expect=None) -> bool:
                         f"after step {step + 1}'s finish_gradient_synchronization(), rank "
                         f"{rank}'s {name}.grad[{i}] is {g.reshape(-1)[i].item():.6g}; the "
                         f"average over ranks is {right.reshape(-1)[i].item():.6g}."
-                        + _hint(results, step, rank, name, world, i, expect)
+                        + (
+                            _kept_hint(res["events"], step)
+                            or _hint(results, step, rank, name, world, i, expect)
+                        )  # fmt: skip
                     )
                     return False
             for name in want:  # frozen ones too: they must not move

@@ -9,6 +9,7 @@ import torch
 
 from .. import handles
 from .collectives import CHECK_LINK
+from .common import builtin_collectives as _builtins
 from .common import run_or_report
 from .report import Report
 
@@ -36,30 +37,6 @@ def _forbidden(names: dict):
     finally:
         for owner, attr, fn in saved.values():
             setattr(owner, attr, fn)
-
-
-_BUILTINS = ("all_gather_into_tensor", "all_gather", "all_to_all_single", "all_to_all",
-             "all_reduce", "reduce_scatter_tensor", "broadcast")  # fmt: skip
-
-
-@contextlib.contextmanager
-def _builtins():
-    """Record calls of torch.distributed's collectives (the exercise builds its own)."""
-    import torch.distributed as dist  # noqa: PLC0415
-
-    called, saved = [], {name: getattr(dist, name) for name in _BUILTINS}
-    for name, fn in saved.items():
-
-        def recorder(*args, _name=name, _fn=fn, **kwargs):
-            called.append(f"torch.distributed.{_name}")
-            return _fn(*args, **kwargs)
-
-        setattr(dist, name, recorder)
-    try:
-        yield called
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
 
 
 def _resolve(root, dotted: str):

@@ -1,0 +1,233 @@
+"""Training loops that trade synchrony for speed: synchronous SGD, stale-gradient SGD,
+local SGD and gradient accumulation, with a straggler knob.
+
+Run :func:`train` on every rank (inside ``ok.launch``). Each step a rank computes the
+gradient of its own batch; what happens next is the mode::
+
+    sync         grad ─► AllReduce ─► update                         every step waits for all
+    stale (d)    grad ─► AllReduce started … applied d steps later   d steps of compute hide it;
+                                                                     the update uses a gradient
+                                                                     d steps old
+    local (k)    k updates on the rank's own gradients, then the parameters are averaged
+    accumulate   k gradients summed locally (no communication), one AllReduce, one update
+    (k)
+
+``slow={rank: factor}`` makes that rank's compute ``factor`` times longer (it sleeps
+``factor − 1`` times what its forward and backward took): a straggler. In ``sync`` every
+step then waits for it; the other modes wait for it less often.
+
+Every rank starts from the same parameters (rank 0's, broadcast) and reads its own
+batches from one seeded stream, so a run is reproducible. The returned history holds,
+per step, the wall time since the start and the loss of the *averaged* model on a fixed
+evaluation set (what a checkpoint of the run would score), measured outside the timed
+step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from . import runtime
+from .collectives import ring_all_reduce
+
+__all__ = ["Task", "make_task", "train", "History", "MODES"]
+
+MODES = ("sync", "stale", "local", "accumulate")
+
+
+@dataclass
+class Task:
+    """A regression task that trains in seconds: a student MLP learns a fixed random
+    teacher MLP from noisy samples."""
+
+    inputs: int = 32
+    hidden: int = 64
+    batch: int = 64
+    noise: float = 0.05
+    seed: int = 0
+    teacher: torch.nn.Module = field(init=False, repr=False)
+
+    def __post_init__(self):
+        gen = torch.Generator().manual_seed(self.seed)
+        with torch.random.fork_rng():
+            torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+            self.teacher = torch.nn.Sequential(
+                torch.nn.Linear(self.inputs, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+            )
+        self.eval_x, self.eval_y = self.batch_of(4096, torch.Generator().manual_seed(10**6))
+
+    def batch_of(self, n: int, gen: torch.Generator):
+        x = torch.randn(n, self.inputs, generator=gen)
+        with torch.no_grad():
+            y = self.teacher(x) + self.noise * torch.randn(n, 1, generator=gen)
+        return x, y
+
+    def model(self) -> torch.nn.Module:
+        torch.manual_seed(self.seed + 1)
+        return torch.nn.Sequential(
+            torch.nn.Linear(self.inputs, self.hidden), torch.nn.Tanh(),
+            torch.nn.Linear(self.hidden, self.hidden), torch.nn.Tanh(),
+            torch.nn.Linear(self.hidden, 1),
+        )  # fmt: skip
+
+
+def make_task(**kwargs) -> Task:
+    return Task(**kwargs)
+
+
+@dataclass
+class History:
+    """What :func:`train` returns on each rank."""
+
+    mode: str
+    step: list[int] = field(default_factory=list)
+    wall: list[float] = field(default_factory=list)  # seconds since the start
+    loss: list[float] = field(default_factory=list)  # the averaged model's eval loss
+    step_time: list[float] = field(default_factory=list)  # seconds per step, this rank
+    compute_time: list[float] = field(default_factory=list)  # forward+backward (+ slowdown)
+
+
+class _Done:
+    def wait(self):
+        return None
+
+
+def _alone(tensor, op="sum", async_op=False):
+    """The AllReduce of one rank: the tensor as it is (a done handle when async)."""
+    return _Done() if async_op else None
+
+
+def _flat_grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def _apply(model, flat: torch.Tensor, lr: float) -> None:
+    at = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            n = p.numel()
+            p -= lr * flat[at : at + n].view_as(p)
+            at += n
+
+
+def _average_parameters(model, all_reduce) -> None:
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    all_reduce(flat, op="avg")
+    at = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(flat[at : at + p.numel()].view_as(p))
+            at += p.numel()
+
+
+def _eval_loss(task: Task, model, all_reduce) -> float:
+    """The evaluation loss of the average of every rank's parameters."""
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    all_reduce(flat, op="avg")
+    probe = task.model()
+    at = 0
+    with torch.no_grad():
+        for p in probe.parameters():
+            p.copy_(flat[at : at + p.numel()].view_as(p))
+            at += p.numel()
+        return torch.nn.functional.mse_loss(probe(task.eval_x), task.eval_y).item()
+
+
+def train(task: Task, steps: int = 200, lr: float = 0.05, mode: str = "sync",
+          staleness: int = 1, local_steps: int = 4, accumulate: int = 4,
+          slow: dict | None = None, eval_every: int = 10, all_reduce=None,
+          timeline=None) -> History:  # fmt: skip
+    """Train ``task``'s model for ``steps`` steps on every rank; see the module's text.
+
+    ``all_reduce(tensor, op=..., async_op=...)``: the collective (default the kit's ring,
+    over the link when one is set). ``timeline`` gets compute, straggler and comm spans.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    for name, value in (("staleness", staleness), ("local_steps", local_steps),
+                        ("accumulate", accumulate), ("steps", steps)):  # fmt: skip
+        if not isinstance(value, int) or value < (0 if name == "staleness" else 1):
+            raise ValueError(f"{name} must be an integer ≥ {0 if name == 'staleness' else 1}, "
+                             f"got {value!r}")  # fmt: skip
+    slow = slow or {}
+    world, me = runtime.world_size(), runtime.rank()
+    for rank, factor in slow.items():
+        if not 0 <= rank < world or not factor >= 1:
+            raise ValueError(f"slow={slow}: give {{rank: factor ≥ 1}} for ranks 0…{world - 1}")
+    all_reduce = all_reduce or ring_all_reduce
+    if world == 1:  # nothing to exchange; the modes still delay and batch as they do
+        all_reduce = _alone
+    model = task.model()
+    if world > 1:  # every rank starts from rank 0's parameters
+        for p in model.parameters():
+            dist.broadcast(p.data, 0)
+    gen = torch.Generator().manual_seed(task.seed * 1000 + me + 7)
+    history = History(mode)
+    in_flight: deque = deque()  # stale mode: (handle, flat gradient) oldest first
+    factor = float(slow.get(me, 1.0))
+    clock = 0.0  # training time only: evaluation is not counted
+
+    def span(name, start, lane="compute"):
+        if timeline is not None:
+            timeline.add(name, start, time.perf_counter(), lane)
+
+    def record(step):
+        history.step.append(step)
+        history.wall.append(clock)
+        history.loss.append(_eval_loss(task, model, all_reduce))
+
+    # no barrier between steps: a rank waits only where its mode communicates (and at
+    # the evaluations, whose time is not counted), so a fast rank runs ahead as far as
+    # the mode lets it
+    record(0)
+    for step in range(1, steps + 1):
+        t0 = time.perf_counter()
+        # ---- compute: one gradient (or `accumulate` of them), slowed on a straggler
+        micro = accumulate if mode == "accumulate" else 1
+        model.zero_grad(set_to_none=True)
+        for _ in range(micro):
+            x, y = task.batch_of(task.batch, gen)
+            (torch.nn.functional.mse_loss(model(x), y) / micro).backward()
+        computed = time.perf_counter() - t0
+        span("forward+backward", t0)
+        if factor > 1:
+            t1 = time.perf_counter()
+            time.sleep((factor - 1) * computed)
+            span("straggling", t1)
+        history.compute_time.append(time.perf_counter() - t0)
+        grad = _flat_grads(model)
+        # ---- communicate and update, by mode
+        t2 = time.perf_counter()
+        if mode in ("sync", "accumulate"):
+            all_reduce(grad, op="avg")
+            span("all_reduce", t2, "comm")
+            _apply(model, grad, lr)
+        elif mode == "stale":
+            if staleness == 0:
+                all_reduce(grad, op="avg")
+                _apply(model, grad, lr)
+            else:
+                in_flight.append((all_reduce(grad, op="avg", async_op=True), grad, t2))
+                if len(in_flight) > staleness:  # the gradient of `staleness` steps ago
+                    handle, old, started = in_flight.popleft()
+                    handle.wait()
+                    span("all_reduce (stale)", started, "comm")
+                    _apply(model, old, lr)
+        else:  # local SGD
+            _apply(model, grad, lr)
+            if step % local_steps == 0:
+                _average_parameters(model, all_reduce)
+                span("average parameters", t2, "comm")
+        elapsed = time.perf_counter() - t0
+        history.step_time.append(elapsed)
+        clock += elapsed
+        if step % eval_every == 0 or step == steps:
+            record(step)
+    for handle, _, _ in in_flight:  # nothing left running
+        handle.wait()
+    return history

@@ -1,0 +1,66 @@
+"""ok.training: the modes train, staleness delays updates, the straggler knob slows one rank."""
+
+import pytest
+import torch
+
+import overlapkit as ok
+from overlapkit.training import Task, train
+
+
+def _run(mode, steps, kwargs):
+    timeline = ok.Timeline()
+    history = train(Task(), steps=steps, mode=mode, timeline=timeline, eval_every=steps, **kwargs)
+    return history, timeline
+
+
+@pytest.mark.parametrize(
+    ("mode", "kwargs"),
+    [
+        ("sync", {}),
+        ("stale", {"staleness": 2}),
+        ("local", {"local_steps": 4}),
+        ("accumulate", {"accumulate": 2}),
+    ],  # fmt: skip
+)
+def test_every_mode_trains_the_task_on_two_ranks(mode, kwargs):
+    results = ok.launch(_run, mode, 60, kwargs, world_size=2, timeout=120)
+    for history, _ in results:
+        assert history.loss[-1] < 0.5 * history.loss[0], (mode, history.loss)
+    # every rank evaluates the same averaged model
+    assert results[0][0].loss == pytest.approx(results[1][0].loss)
+
+
+def test_stale_updates_lag_the_gradient_by_the_staleness():
+    """On one rank, staleness d leaves the model untouched for the first d steps."""
+    task = Task()
+    start = [p.detach().clone() for p in task.model().parameters()]
+    for d in (0, 3):
+        h = train(task, steps=3, mode="stale", staleness=d, eval_every=1)
+        assert (h.loss[-1] == h.loss[0]) == (d == 3), (d, h.loss)
+    assert all(torch.equal(a, b) for a, b in zip(start, task.model().parameters(), strict=True))
+
+
+def test_sync_and_zero_staleness_are_the_same_algorithm():
+    a = ok.launch(_run, "sync", 20, {}, world_size=2)[0][0]
+    b = ok.launch(_run, "stale", 20, {"staleness": 0}, world_size=2)[0][0]
+    assert a.loss == pytest.approx(b.loss, rel=1e-5)
+
+
+def test_the_straggler_sleeps_only_on_its_rank():
+    results = ok.launch(_run, "sync", 10, {"slow": {1: 1.5}}, world_size=2)
+    names = [{s.name for s in timeline.spans} for _, timeline in results]
+    assert "straggling" not in names[0] and "straggling" in names[1]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"mode": "async"}, "mode must be one of sync, stale, local, accumulate; got 'async'"),
+        ({"mode": "stale", "staleness": -1}, "staleness must be an integer ≥ 0, got -1"),
+        ({"slow": {3: 1.2}}, "slow={3: 1.2}: give {rank: factor ≥ 1} for ranks 0…0"),
+        ({"slow": {0: 0.5}}, "give {rank: factor ≥ 1}"),
+    ],
+)
+def test_bad_training_options_are_refused_clearly(kwargs, words):
+    with pytest.raises(ValueError, match=words.replace("{", r"\{").replace("}", r"\}")):
+        train(Task(), steps=2, **kwargs)
