@@ -12,8 +12,10 @@ gradient of its own batch; what happens next is the mode::
     accumulate   k gradients summed locally (no communication), one AllReduce, one update
     (k)
 
-``slow={rank: factor}`` makes that rank's compute ``factor`` times longer (it sleeps
-``factor − 1`` times what its forward and backward took): a straggler. In ``sync`` every
+``slow={rank: factor}`` makes that rank a straggler: its forward and backward are
+stretched (by sleeping) to ``factor`` times the usual compute of a step — the slowest
+rank's median, timed on every rank before training — so "15% slower" means 15% slower
+than the others, whatever the machine does to them. In ``sync`` every
 step then waits for it; the other modes wait for it less often.
 
 Every rank starts from the same parameters (rank 0's, broadcast) and reads its own
@@ -35,9 +37,10 @@ import torch.distributed as dist
 from . import runtime
 from .collectives import ring_all_reduce
 
-__all__ = ["Task", "make_task", "train", "History", "MODES"]
+__all__ = ["Task", "make_task", "train", "History", "MODES", "builtin_all_reduce"]
 
 MODES = ("sync", "stale", "local", "accumulate")
+POOL = 64  # batches of data per rank, made up front and cycled
 
 
 @dataclass
@@ -102,6 +105,33 @@ def _alone(tensor, op="sum", async_op=False):
     return _Done() if async_op else None
 
 
+class _Averaged:
+    """The handle of a built-in async AllReduce whose wait() also divides (op avg)."""
+
+    def __init__(self, work, tensor, world):
+        self.work, self.tensor, self.world = work, tensor, world
+
+    def wait(self):
+        self.work.wait()
+        self.tensor /= self.world
+
+
+def builtin_all_reduce(tensor, op="sum", async_op=False):
+    """PyTorch's own AllReduce (gloo/NCCL) with the kit's signature (``op="avg"`` too, which
+    gloo lacks): the yardstick, and the fast path when the link is not the lesson."""
+    ops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+           "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}  # fmt: skip
+    if op not in ops:
+        raise ValueError(f"op must be one of {', '.join(ops)}; got {op!r}")
+    work = dist.all_reduce(tensor, op=ops[op], async_op=async_op)
+    world = dist.get_world_size()
+    if async_op:
+        return _Averaged(work, tensor, world if op == "avg" else 1)
+    if op == "avg":
+        tensor /= world
+    return None
+
+
 def _flat_grads(model) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
@@ -125,6 +155,36 @@ def _average_parameters(model, all_reduce) -> None:
             at += p.numel()
 
 
+def _stretch(seconds: float) -> None:
+    """Be busy for ``seconds``: asleep but for the last millisecond, which is spent
+    yielding in a loop — a plain sleep on a busy VM wakes up to a millisecond late,
+    which would make a "15% slower" rank 25% slower."""
+    deadline = time.perf_counter() + seconds
+    if seconds > 2e-3:
+        time.sleep(seconds - 1e-3)
+    while time.perf_counter() < deadline:
+        time.sleep(0)
+
+
+def _nominal_compute(model, pool, micro: int, reps: int = 11, warmup: int = 3) -> float:
+    """The usual forward+backward time of a step, the slowest rank's median (every rank
+    takes part): what a straggler's ``factor`` multiplies. Gradients are cleared after."""
+    times = []
+    for i in range(warmup + reps):  # the first passes also allocate: not counted
+        start = time.perf_counter()
+        model.zero_grad(set_to_none=True)  # as a step does
+        for j in range(micro):
+            x, y = pool[(i * micro + j) % len(pool)]
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    model.zero_grad(set_to_none=True)
+    t = torch.tensor([sorted(times)[reps // 2]], dtype=torch.float64)
+    if runtime.world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def _eval_loss(task: Task, model, all_reduce) -> float:
     """The evaluation loss of the average of every rank's parameters."""
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -145,7 +205,8 @@ def train(task: Task, steps: int = 200, lr: float = 0.05, mode: str = "sync",
     """Train ``task``'s model for ``steps`` steps on every rank; see the module's text.
 
     ``all_reduce(tensor, op=..., async_op=...)``: the collective (default the kit's ring,
-    over the link when one is set). ``timeline`` gets compute, straggler and comm spans.
+    over the link when one is set; ``"builtin"``: :func:`builtin_all_reduce`).
+    ``timeline`` gets compute, straggler and comm spans.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -159,7 +220,7 @@ def train(task: Task, steps: int = 200, lr: float = 0.05, mode: str = "sync",
     for rank, factor in slow.items():
         if not 0 <= rank < world or not factor >= 1:
             raise ValueError(f"slow={slow}: give {{rank: factor ≥ 1}} for ranks 0…{world - 1}")
-    all_reduce = all_reduce or ring_all_reduce
+    all_reduce = builtin_all_reduce if all_reduce == "builtin" else all_reduce or ring_all_reduce
     if world == 1:  # nothing to exchange; the modes still delay and batch as they do
         all_reduce = _alone
     model = task.model()
@@ -167,6 +228,10 @@ def train(task: Task, steps: int = 200, lr: float = 0.05, mode: str = "sync",
         for p in model.parameters():
             dist.broadcast(p.data, 0)
     gen = torch.Generator().manual_seed(task.seed * 1000 + me + 7)
+    micro = accumulate if mode == "accumulate" else 1
+    # the rank's data, made before the clock starts (as a loader that keeps up would):
+    # a pool of batches cycled through, so a step times the model, not the data
+    pool = [task.batch_of(task.batch, gen) for _ in range(min(steps * micro, POOL))]
     history = History(mode)
     in_flight: deque = deque()  # stale mode: (handle, flat gradient) oldest first
     factor = float(slow.get(me, 1.0))
@@ -181,6 +246,7 @@ def train(task: Task, steps: int = 200, lr: float = 0.05, mode: str = "sync",
         history.wall.append(clock)
         history.loss.append(_eval_loss(task, model, all_reduce))
 
+    nominal = _nominal_compute(model, pool, micro) if slow else 0.0
     # no barrier between steps: a rank waits only where its mode communicates (and at
     # the evaluations, whose time is not counted), so a fast rank runs ahead as far as
     # the mode lets it
@@ -188,16 +254,15 @@ def train(task: Task, steps: int = 200, lr: float = 0.05, mode: str = "sync",
     for step in range(1, steps + 1):
         t0 = time.perf_counter()
         # ---- compute: one gradient (or `accumulate` of them), slowed on a straggler
-        micro = accumulate if mode == "accumulate" else 1
         model.zero_grad(set_to_none=True)
-        for _ in range(micro):
-            x, y = task.batch_of(task.batch, gen)
+        for i in range(micro):
+            x, y = pool[((step - 1) * micro + i) % len(pool)]
             (torch.nn.functional.mse_loss(model(x), y) / micro).backward()
         computed = time.perf_counter() - t0
         span("forward+backward", t0)
-        if factor > 1:
+        if factor > 1:  # stretched to `factor` times the others' usual compute
             t1 = time.perf_counter()
-            time.sleep((factor - 1) * computed)
+            _stretch(factor * nominal - computed)
             span("straggling", t1)
         history.compute_time.append(time.perf_counter() - t0)
         grad = _flat_grads(model)
