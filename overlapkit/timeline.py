@@ -434,6 +434,69 @@ class Timeline:
                 json.dump(trace, f)
         return trace
 
+    @classmethod
+    def from_profiler(cls, source, rank: int = 0) -> Timeline:
+        """A timeline from a ``torch.profiler`` trace: ``source`` is the path of a trace
+        written by ``prof.export_chrome_trace(path)``, its JSON as a dict, or the
+        ``torch.profiler.profile`` object itself.
+
+        Communication (lane ``comm``): the collectives' own execution spans — gloo's
+        ``gloo:*`` events on its worker threads, NCCL kernels on the GPU. Computation
+        (lane ``compute``): every other operator of the threads that issue work (CPU
+        ops; on a GPU, every other kernel), the collectives' brief ``c10d::*`` issue
+        calls aside. Nested operators are merged by the overlap measures, which work on
+        the union of intervals. Times start at 0 at the trace's first event. The kit's
+        own ring runs in Python on the kit's communication thread, which the profiler
+        does not trace: its spans come from the kit's timelines.
+        """
+        if hasattr(source, "export_chrome_trace"):
+            import os  # noqa: PLC0415
+            import tempfile  # noqa: PLC0415
+
+            fd, path = tempfile.mkstemp(suffix=".json")
+            os.close(fd)
+            try:
+                try:
+                    source.export_chrome_trace(path)
+                except RuntimeError as exc:  # a profile exports its trace once
+                    raise ValueError(
+                        f"this profile cannot be exported again ({exc}): pass the path of "
+                        "the trace you exported it to"
+                    ) from None
+                with open(path) as f:
+                    source = json.load(f)
+            finally:
+                os.unlink(path)
+        elif isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
+            with open(source) as f:
+                source = json.load(f)
+        events = source.get("traceEvents", []) if isinstance(source, dict) else source
+        spans = [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
+        if not spans:
+            raise ValueError("the trace holds no complete ('X') events: was anything profiled?")
+        t0 = min(float(e["ts"]) for e in spans)
+        timeline = cls(rank=rank)
+        for e in spans:
+            lane = _profiler_lane(e)
+            if lane is None:
+                continue
+            start = (float(e["ts"]) - t0) / 1e6
+            timeline.add(e.get("name", "?"), start, start + float(e["dur"]) / 1e6, lane)
+        return timeline
+
+
+def _profiler_lane(event: dict) -> str | None:
+    """``comm``, ``compute`` or None (not counted) for one profiler trace event."""
+    name, cat = str(event.get("name", "")), str(event.get("cat", "")).lower()
+    lowered = name.lower()
+    if lowered.startswith("gloo:") or (cat == "kernel" and "nccl" in lowered):
+        return COMM
+    if lowered.startswith(("c10d::", "record_param_comms", "nccl:")):
+        return None  # issuing a collective: its execution is counted above
+    if cat in ("cpu_op", "kernel", "gpu_memcpy", "gpu_memset"):
+        return COMPUTE
+    return None
+
 
 class _TrackedWork:
     """Handle returned by :meth:`Timeline.track`: wait() like the work it wraps."""

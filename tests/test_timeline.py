@@ -177,3 +177,62 @@ def test_plot_can_leave_the_overlap_figures_out_of_the_title():
     tl = make([("bwd", 0, 1, COMPUTE), ("ar", 0.5, 1.5, COMM)])
     assert tl.plot(title="naive", metrics=False).axes[0].get_title() == "naive"
     assert tl.plot(metrics=False).axes[0].get_title() == ""
+
+
+# ------------------------------------------------------------------ torch.profiler traces
+
+
+def test_a_profiler_trace_becomes_compute_and_comm_lanes():
+    trace = {"traceEvents": [
+        {"ph": "X", "name": "aten::mm", "cat": "cpu_op", "ts": 1000, "dur": 400, "tid": 1},
+        {"ph": "X", "name": "aten::mm", "cat": "cpu_op", "ts": 1100, "dur": 100, "tid": 1},
+        {"ph": "X", "name": "c10d::allreduce_", "cat": "cpu_op", "ts": 1300, "dur": 10, "tid": 1},
+        {"ph": "X", "name": "gloo:all_reduce", "cat": "user_annotation", "ts": 1300, "dur": 300,
+         "tid": 2},
+        {"ph": "X", "name": "PyTorch Profiler (0)", "cat": "Trace", "ts": 900, "dur": 900},
+        {"ph": "M", "name": "thread_name", "tid": 1},
+    ]}  # fmt: skip
+    tl = ok.Timeline.from_profiler(trace, rank=3)
+    assert {s.lane for s in tl.spans} == {"compute", "comm"} and tl.ranks == [3]
+    assert tl.busy("compute") == pytest.approx(400e-6)  # nested ops counted once
+    assert tl.busy("comm") == pytest.approx(300e-6)
+    assert tl.hidden_fraction() == pytest.approx(100 / 300)  # 1300–1400 under the mm
+
+
+def test_a_gpu_trace_puts_nccl_kernels_on_the_comm_lane():
+    trace = [
+        {"ph": "X", "name": "ampere_sgemm_128x64", "cat": "kernel", "ts": 0, "dur": 50},
+        {"ph": "X", "name": "ncclDevKernel_AllReduce_Sum_f32_RING_LL", "cat": "kernel",
+         "ts": 20, "dur": 60},
+    ]  # fmt: skip
+    tl = ok.Timeline.from_profiler(trace)
+    assert [s.lane for s in tl.spans] == ["compute", "comm"]
+
+
+def test_an_empty_trace_is_refused_clearly():
+    with pytest.raises(ValueError, match="no complete"):
+        ok.Timeline.from_profiler({"traceEvents": []})
+
+
+def _profiled_all_reduce(path):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.ones(2**16)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        work = torch.distributed.all_reduce(x, async_op=True)
+        torch.mm(torch.ones(256, 256), torch.ones(256, 256))
+        work.wait()
+    if ok.rank() == 0:  # rank 0 writes the trace; rank 1 reads its profile directly
+        prof.export_chrome_trace(path)
+        with pytest.raises(ValueError, match="cannot be exported again"):
+            ok.Timeline.from_profiler(prof)
+        return True
+    return ok.Timeline.from_profiler(prof).busy("comm") > 0
+
+
+def test_a_real_profiler_trace_of_a_gloo_all_reduce_has_its_comm_span(tmp_path):
+    path = tmp_path / "trace.json"
+    assert all(ok.launch(_profiled_all_reduce, str(path), world_size=2, quiet=True))
+    tl = ok.Timeline.from_profiler(str(path))
+    assert tl.busy("comm") > 0 and tl.busy("compute") > 0

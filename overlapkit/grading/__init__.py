@@ -12,6 +12,7 @@ from .lab01 import check_bytes_moved
 from .lab04 import check_zero1_step
 from .lab05 import check_overlapped_step, check_timed_step
 from .lab09 import check_average_parameters
+from .lab10 import check_tuning
 from .lab11 import check_ag_matmul, check_chunked_moe
 from .pipeline import check_1f1b_schedule, check_gpipe_step
 from .report import Report
@@ -34,6 +35,7 @@ POINTS = {
     "check_1f1b_schedule": 3,
     "check_gpipe_step": 5,
     "check_average_parameters": 3,
+    "check_tuning": 4,
     "check_ag_matmul": 4,
     "check_chunked_moe": 5,
 }
@@ -56,6 +58,7 @@ __all__ = [
     "check_1f1b_schedule",
     "check_gpipe_step",
     "check_average_parameters",
+    "check_tuning",
     "check_ag_matmul",
     "check_chunked_moe",
 ]
