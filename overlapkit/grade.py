@@ -94,9 +94,17 @@ def exercises_of(lab: nbformat.NotebookNode) -> list[Exercise]:
         if cell.cell_type != "code":
             continue
         for check, names, kwargs in _check_calls(cell.source):
-            found.append(Exercise(check, names, kwargs, cell.source.strip(),
+            found.append(Exercise(check, names, kwargs, _normal(cell.source),
                                   points=float(POINTS.get(check, 1))))  # fmt: skip
     return found
+
+
+def _normal(source: str) -> str:
+    """A cell's code as the lab shows it: without nbval's directives (solutions carry
+    them for the test run; labs do not)."""
+    from .labgen import _DIRECTIVE  # noqa: PLC0415
+
+    return "\n".join(ln for ln in source.strip().splitlines() if not _DIRECTIVE.match(ln)).strip()
 
 
 def _is_check_cell(cell) -> bool:
@@ -243,7 +251,7 @@ def grade_notebook(path: Path, labs: Path = LABS, cell_limit: float = 120.0,
             ex.feedback.append(f"the notebook could not be read: {exc}")
         result["exercises"] = [_entry(ex) for ex in exercises]
         return result
-    kept = {c.source.strip() for c in student.cells if c.cell_type == "code"}
+    kept = {_normal(c.source) for c in student.cells if c.cell_type == "code"}
     names = sorted({n for ex in exercises for n in ex.names})
     cwd = str(path.parent.resolve())
     with tempfile.TemporaryDirectory(prefix="overlapkit-grade-") as folder:
