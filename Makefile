@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 LINTED := overlapkit tests solutions
 
-.PHONY: venv lab test lint demo bench labs record gpu-check clean
+.PHONY: venv lab test lint demo bench labs record gpu-check browser-deps clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,8 +27,9 @@ venv: $(STAMP)
 lab: $(STAMP)
 	$(BIN)/jupyter lab --ServerApp.root_dir=labs $(ROOT_FLAG) $(JUPYTER_ARGS)
 
-## Lint, then every test: library, generator, lab notebooks, and nbval on the solutions.
-test: $(STAMP) lint
+## Lint, then every test: library, generator, lab notebooks, the labs in a browser
+## (headless Chromium; skipped with the reason where it cannot be installed), nbval.
+test: $(STAMP) lint browser-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests --nbval --nbval-current-env --nbval-cell-timeout=300 solutions
 
 lint: $(STAMP)
@@ -49,6 +50,10 @@ labs: $(STAMP)
 ## Re-execute solution notebooks and store the outputs that nbval compares.
 record: $(STAMP)
 	$(BIN)/python -m overlapkit.labgen record solutions/*.ipynb
+
+## Debian's Chromium for the browser tests (apt, when root; otherwise says why they skip).
+browser-deps:
+	@bash scripts/browser_deps.sh
 
 ## Every GPU check (on a machine with CUDA).
 gpu-check: $(STAMP)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 
 
@@ -127,6 +129,21 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--json", help="also write the rows to this JSON file")
 
     args = parser.parse_args(argv)
+    if _quiet_rank():
+        # under torchrun every process runs this command; rank 0 alone reports
+        for name in ("csv", "json", "out"):
+            if getattr(args, name, None):
+                setattr(args, name, os.devnull)
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+            return _run(args)
+    return _run(args)
+
+
+def _quiet_rank() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and os.environ["RANK"] != "0"
+
+
+def _run(args) -> int:
     if args.command == "demo":
         from .demo import run
 

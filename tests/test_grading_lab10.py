@@ -44,7 +44,8 @@ def test_a_configuration_that_hides_nothing_misses_the_target(measured):
 @pytest.mark.parametrize(
     ("tuned", "report", "words"),
     [
-        (None, None, "TUNED must be a dict like"),
+        (None, None, "not implemented yet (TUNED and REPORT are still None"),
+        (None, {}, "TUNED must be a dict like"),
         ({"wrapper": "buckets"}, None, "'wrapper' one of naive, overlap, bucketed"),
         ({"wrapper": "bucketed", "bucket_mb": 0}, None, "must be a size in MiB > 0"),
         (

@@ -44,7 +44,9 @@ def launch_with_progress(fn, *args, total: int, desc: str, **launch_kwargs):
     path = tempfile.NamedTemporaryFile(prefix="overlapkit-bench-", delete=False)
     path.close()
     stop = threading.Event()
-    with tqdm(total=total, desc=desc, unit="step", file=sys.stderr) as bar:
+    # under torchrun every process runs the bench: rank 0's bar is the one to show
+    hidden = os.environ.get("RANK", "0") != "0"
+    with tqdm(total=total, desc=desc, unit="step", file=sys.stderr, disable=hidden) as bar:
         follower = threading.Thread(target=_follow, args=(path.name, bar, stop), daemon=True)
         follower.start()
         try:

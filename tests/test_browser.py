@@ -1,0 +1,177 @@
+"""The labs in a real browser: JupyterLab on localhost, driven by headless Chromium.
+
+Debian's ``chromium`` (``make browser-deps`` installs it; CI does) through Playwright
+for Python with ``executable_path`` — never a browser download. Screenshots go to the
+folder the test prints (``OVERLAPKIT_SCREENSHOTS`` to choose it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+RUN_LIMIT_S = 240  # a whole notebook, run from the browser
+
+
+def _skip_reason() -> str | None:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "playwright is not installed: pip install -e '.[test]'"
+    if CHROMIUM is None:
+        return ("Debian's chromium is not installed: run `make browser-deps` (needs root and "
+                "apt), as CI does")  # fmt: skip
+    return None
+
+
+if _skip_reason():
+    pytest.skip(_skip_reason(), allow_module_level=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def jupyter(tmp_path_factory):
+    """JupyterLab on 127.0.0.1 with a temporary root and a random token; stopped after."""
+    root = tmp_path_factory.mktemp("lab-root")
+    for name in ("07_bucketing.ipynb", "00_getting_started.ipynb"):
+        shutil.copy(ROOT / "solutions" / name, root / name)
+    # every cell in the page (no virtual scrolling), no news pop-ups
+    settings = root / "settings" / "@jupyterlab"
+    for ext, name, body in (
+        ("notebook-extension", "tracker", '{"windowingMode": "none"}'),
+        ("apputils-extension", "notification", '{"fetchNews": "false", "checkForUpdates": false}'),
+    ):
+        (settings / ext).mkdir(parents=True, exist_ok=True)
+        (settings / ext / f"{name}.jupyterlab-settings").write_text(body)
+    port, token = _free_port(), secrets.token_hex(16)
+    log = open(root / "jupyter.log", "w")  # noqa: SIM115 - closed below
+    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+           f"--ServerApp.port={port}", f"--IdentityProvider.token={token}",
+           f"--ServerApp.root_dir={root}", "--ServerApp.port_retries=0",
+           "--LabApp.news_url="] + (["--allow-root"] if os.getuid() == 0 else [])  # fmt: skip
+    env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(root / "settings")}
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=root, env=env,
+                              start_new_session=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2):
+                    break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    log.flush()
+                    pytest.fail("JupyterLab did not start:\n" + (root / "jupyter.log").read_text())
+                time.sleep(0.5)
+        yield url, token, root
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # the server and the kernels it started
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory):
+    folder = Path(os.environ.get("OVERLAPKIT_SCREENSHOTS") or tmp_path_factory.mktemp("screens"))
+    folder.mkdir(parents=True, exist_ok=True)
+    print(f"\nscreenshots: {folder}")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                     args=["--no-sandbox", "--disable-dev-shm-usage"])  # fmt: skip
+        yield chromium
+        chromium.close()
+
+
+def _open_and_run_all(browser, jupyter, name: str):
+    """Open a notebook, run all its cells from the Run menu, wait until none is running."""
+    url, token, _ = jupyter
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(f"{url}/lab/tree/{name}?token={token}", timeout=60_000)
+    page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=60_000)
+    # the kernel is ready when the notebook's execution indicator says idle
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
+                           timeout=60_000)  # fmt: skip
+    page.get_by_role("menuitem", name="Run", exact=True).click()
+    page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+    cells = page.locator(".jp-Notebook .jp-CodeCell")
+    deadline = time.monotonic() + RUN_LIMIT_S
+    while time.monotonic() < deadline:
+        prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
+        if prompts and all(re.search(r"\[\d+\]", p) for p in prompts):
+            break
+        time.sleep(1)
+    else:
+        page.screenshot(path=str(jupyter[2] / f"{name}-timeout.png"), full_page=True)
+        pytest.fail(f"{name}: not every cell ran within {RUN_LIMIT_S} s")
+    return page, cells
+
+
+def _error_outputs(page) -> list[str]:
+    """Texts of error outputs (tracebacks) and failed widgets in the page."""
+    errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+    texts = [t for t in errors.all_inner_texts() if re.search(r"Traceback|Error\b", t)]
+    texts += page.get_by_text("Error displaying widget").all_inner_texts()
+    return texts
+
+
+def test_lab07_widget_renders_and_its_slider_moves_the_prediction(browser, jupyter, shots):
+    page, _ = _open_and_run_all(browser, jupyter, "07_bucketing.ipynb")
+    assert not _error_outputs(page), _error_outputs(page)
+    widget = page.locator(".jupyter-widgets.widget-vbox, .widget-vbox").filter(
+        has_text="bucket MiB").last  # fmt: skip
+    widget.scroll_into_view_if_needed()
+    label = widget.locator(".widget-html-content").filter(has_text="predicted step").first
+    page.wait_for_function("e => e.textContent.includes('ms')", arg=label.element_handle(),
+                           timeout=30_000)  # fmt: skip
+    before = label.inner_text()
+    widget.screenshot(path=str(shots / "lab07_widget_before.png"))
+    handle = widget.locator(".widget-slider").first.locator(".noUi-handle").first
+    handle.focus()
+    for _ in range(12):
+        page.keyboard.press("ArrowRight")
+    page.wait_for_function("([e, t]) => e.textContent !== t",
+                           arg=[label.element_handle(), before], timeout=30_000)  # fmt: skip
+    after = label.inner_text()
+    widget.screenshot(path=str(shots / "lab07_widget_after.png"))
+    assert before != after and "predicted step" in after
+    assert not page.get_by_text("Error displaying widget").count()
+
+
+def test_lab00_runs_in_the_browser_without_an_error_output(browser, jupyter, shots):
+    page, cells = _open_and_run_all(browser, jupyter, "00_getting_started.ipynb")
+    page.screenshot(path=str(shots / "lab00_after_run_all.png"), full_page=False)
+    assert cells.count() > 5
+    errors = _error_outputs(page)
+    assert not errors, errors
