@@ -19,6 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import nbformat
 import pytest
 
 pytestmark = pytest.mark.browser
@@ -54,7 +55,16 @@ def jupyter(tmp_path_factory):
     """JupyterLab on 127.0.0.1 with a temporary root and a random token; stopped after."""
     root = tmp_path_factory.mktemp("lab-root")
     for name in ("07_bucketing.ipynb", "00_getting_started.ipynb"):
-        shutil.copy(ROOT / "solutions" / name, root / name)
+        nb = nbformat.read(ROOT / "solutions" / name, as_version=4)
+        for cell in nb.cells:  # as a learner opens it: nothing run yet
+            if cell.cell_type == "code":
+                cell.outputs, cell.execution_count = [], None
+        nbformat.write(nb, root / name)
+    # the error detector's own test: a notebook whose one cell fails
+    broken = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1 / 0")])
+    broken.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                     "language": "python"}  # fmt: skip
+    nbformat.write(broken, root / "broken.ipynb")
     # every cell in the page (no virtual scrolling), no news pop-ups
     settings = root / "settings" / "@jupyterlab"
     for ext, name, body in (
@@ -117,14 +127,28 @@ def browser():
 def _open_and_run_all(browser, jupyter, name: str):
     """Open a notebook, run all its cells from the Run menu, wait until none is running."""
     url, token, _ = jupyter
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.goto(f"{url}/lab/tree/{name}?token={token}", timeout=60_000)
+    # a context and a workspace of its own: no tab of another test restored beside it
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    workspace = name.split(".")[0].replace("_", "-")
+    page.goto(f"{url}/lab/workspaces/{workspace}/tree/{name}?reset&token={token}",
+              timeout=60_000)  # fmt: skip
     page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=60_000)
     # the kernel is ready when the notebook's execution indicator says idle
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
                            timeout=60_000)  # fmt: skip
-    page.get_by_role("menuitem", name="Run", exact=True).click()
-    page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+    prompts = page.locator(".jp-CodeCell .jp-InputPrompt")
+    for _ in range(3):  # a request sent while the kernel is still connecting can be lost
+        page.get_by_role("menuitem", name="Run", exact=True).click()
+        page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+        started = time.monotonic() + 20
+        while time.monotonic() < started:
+            if any(re.search(r"\[(\*|\d+)\]", p) for p in prompts.all_inner_texts()):
+                break
+            time.sleep(0.5)
+        else:
+            continue
+        break
     cells = page.locator(".jp-Notebook .jp-CodeCell")
     deadline = time.monotonic() + RUN_LIMIT_S
     while time.monotonic() < deadline:
@@ -148,9 +172,15 @@ def _error_outputs(page) -> list[str]:
 
 def test_lab07_widget_renders_and_its_slider_moves_the_prediction(browser, jupyter, shots):
     page, _ = _open_and_run_all(browser, jupyter, "07_bucketing.ipynb")
+    try:
+        _move_the_slider(page, shots)
+    finally:
+        page.context.close()
+
+
+def _move_the_slider(page, shots):
     assert not _error_outputs(page), _error_outputs(page)
-    widget = page.locator(".jupyter-widgets.widget-vbox, .widget-vbox").filter(
-        has_text="bucket MiB").last  # fmt: skip
+    widget = page.locator(".widget-vbox").filter(has_text="bucket MiB").last
     widget.scroll_into_view_if_needed()
     label = widget.locator(".widget-html-content").filter(has_text="predicted step").first
     page.wait_for_function("e => e.textContent.includes('ms')", arg=label.element_handle(),
@@ -171,7 +201,18 @@ def test_lab07_widget_renders_and_its_slider_moves_the_prediction(browser, jupyt
 
 def test_lab00_runs_in_the_browser_without_an_error_output(browser, jupyter, shots):
     page, cells = _open_and_run_all(browser, jupyter, "00_getting_started.ipynb")
-    page.screenshot(path=str(shots / "lab00_after_run_all.png"), full_page=False)
-    assert cells.count() > 5
-    errors = _error_outputs(page)
-    assert not errors, errors
+    try:
+        page.screenshot(path=str(shots / "lab00_after_run_all.png"), full_page=False)
+        assert cells.count() > 5
+        errors = _error_outputs(page)
+        assert not errors, errors
+    finally:
+        page.context.close()
+
+
+def test_the_error_detector_sees_a_failing_cell(browser, jupyter):
+    page, _ = _open_and_run_all(browser, jupyter, "broken.ipynb")
+    try:
+        assert any("ZeroDivisionError" in text for text in _error_outputs(page))
+    finally:
+        page.context.close()
