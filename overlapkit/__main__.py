@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m overlapkit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
+    lab = sub.add_parser("lab", help="a lab's core measurement as a script (also under torchrun)")
+    lab.add_argument("number", help="the lab: 00 … 11")
+    lab.add_argument("--world-size", type=int, default=2, help="ranks (torchrun's, under it)")
     demo = sub.add_parser("demo", help="a one-minute tour: ranks, ping-pong, a timeline picture")
     demo.add_argument(
         "--out", default="overlapkit-demo.png", help="where to write the timeline picture"
@@ -144,7 +147,15 @@ def _quiet_rank() -> bool:
 
 
 def _run(args) -> int:
-    if args.command == "demo":
+    if args.command == "lab":
+        from .labcore import run as run_lab
+
+        try:
+            run_lab(args.number, args.world_size)
+        except ValueError as exc:  # an unknown lab: say which exist, no traceback
+            print(f"python -m overlapkit lab: {exc}", file=sys.stderr)
+            return 2
+    elif args.command == "demo":
         from .demo import run
 
         run(out=args.out, world=args.world_size)

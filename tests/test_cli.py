@@ -234,3 +234,18 @@ def test_gpu_check_script_on_a_cpu_lists_every_check_as_skipped_and_passes():
         in out
     )
     assert "SKIP  solutions/08_model_parallel.ipynb on CUDA" in out and "FAIL" not in out
+
+
+def test_a_labs_core_runs_as_a_script_and_unchanged_under_torchrun():
+    alone = run("-m", "overlapkit", "lab", "03")
+    assert "ring_all_reduce" in alone and "busbw_gbps" in alone
+    out = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+              "-m", "overlapkit", "lab", "09")  # fmt: skip
+    assert out.count("lab 09: synchronous, stale and local SGD") == 1, out  # rank 0 reports
+    assert all(mode in out for mode in ("sync", "stale", "local"))
+
+
+def test_an_unknown_lab_is_refused_with_the_list():
+    proc = subprocess.run([sys.executable, "-m", "overlapkit", "lab", "42"], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    assert proc.returncode != 0 and "no lab '42': choose one of 00, 01" in proc.stderr

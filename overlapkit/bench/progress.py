@@ -27,8 +27,9 @@ class Progress:
 
 
 def _follow(path: str, bar: tqdm, stop: threading.Event) -> None:
-    seen = 0
-    while not stop.wait(0.2):
+    seen, last = 0, False
+    while not last:
+        last = stop.wait(0.2)  # once stopped, one more read: the ticks of the last moments
         try:
             size = os.path.getsize(path)
         except OSError:
