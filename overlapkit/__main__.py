@@ -142,6 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     return _run(args)
 
 
+def _chunk_sweep(args) -> dict:
+    """The options bench tp and bench moe share."""
+    return {"world": args.world_size, "chunks": [int(k) for k in args.chunks.split(",")],
+            "link": _parse_link(args.link), "transfer_share": args.transfer_share,
+            "reps": args.reps, "warmup": args.warmup, "csv_path": args.csv,
+            "json_path": args.json}  # fmt: skip
+
+
 def _quiet_rank() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and os.environ["RANK"] != "0"
 
@@ -212,34 +220,12 @@ def _run(args) -> int:
     elif args.bench == "tp":
         from .bench.tp import run
 
-        run(
-            rows=args.rows,
-            width=args.width,
-            world=args.world_size,
-            chunks=[int(k) for k in args.chunks.split(",")],
-            link=_parse_link(args.link),
-            transfer_share=args.transfer_share,
-            reps=args.reps,
-            warmup=args.warmup,
-            csv_path=args.csv,
-            json_path=args.json,
-        )
+        run(rows=args.rows, width=args.width, **_chunk_sweep(args))
     elif args.bench == "moe":
         from .bench.moe import run
 
-        run(
-            tokens=args.tokens,
-            d_model=args.d_model,
-            d_hidden=args.d_hidden,
-            world=args.world_size,
-            chunks=[int(k) for k in args.chunks.split(",")],
-            link=_parse_link(args.link),
-            transfer_share=args.transfer_share,
-            reps=args.reps,
-            warmup=args.warmup,
-            csv_path=args.csv,
-            json_path=args.json,
-        )
+        run(tokens=args.tokens, d_model=args.d_model, d_hidden=args.d_hidden,
+            **_chunk_sweep(args))  # fmt: skip
     elif args.bench == "launch":
         from .bench.launch import run
 

@@ -137,3 +137,21 @@ def builtin_collectives():
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
+
+
+def refused_rank(report: Report, what: str, rank: int, res: dict, traffic, advice: str) -> bool:
+    """The ✘ line for a rank that called a built-in collective (``advice``: what to use
+    instead) or left an operation unwaited; True when it was refused."""
+    direct = sorted(set(traffic.direct) | set(res.get("builtin", ())))
+    if direct:
+        report.fail(f"{what}: rank {rank} called {', '.join(direct)}: {advice} (only the kit's "
+                    "messages travel over the emulated link)")  # fmt: skip
+        return True
+    if res.get("unwaited"):
+        report.fail(
+            f"{what}: rank {rank} never waited for {len(res['unwaited'])} operation(s), "
+            f"e.g. {res['unwaited'][0]}: wait for every one before using what it delivers "
+            "(and before returning)"
+        )
+        return True
+    return False

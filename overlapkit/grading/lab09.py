@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .collectives import CHECK_LINK
-from .common import builtin_collectives, run_or_report
+from .common import builtin_collectives, refused_rank, run_or_report
 from .report import Report
 
 
@@ -76,12 +76,8 @@ def check_average_parameters(average_parameters, timeout: float = 20.0) -> Repor
 
 def _judge(report, what, results, world) -> bool:
     for rank, (res, traffic) in enumerate(results):
-        direct = sorted(set(traffic.direct) | set(res["builtin"]))
-        if direct:
-            report.fail(
-                f"{what}: rank {rank} called {', '.join(direct)}: average with the "
-                "kit's ok.ring_all_reduce (its messages go over the emulated link)"
-            )
+        if refused_rank(report, what, rank, res, traffic,
+                        "average with the kit's ok.ring_all_reduce"):  # fmt: skip
             return False
         for i, (got, want, name) in enumerate(
             zip(res["values"], res["want"], res["names"], strict=True)

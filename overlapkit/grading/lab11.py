@@ -10,7 +10,7 @@ import torch
 from .. import handles
 from .collectives import CHECK_LINK
 from .common import builtin_collectives as _builtins
-from .common import run_or_report
+from .common import refused_rank, run_or_report
 from .report import Report
 
 # --------------------------------------------------------------------------- shared
@@ -194,18 +194,7 @@ def _ag_results(report, what, results, world) -> bool:
                 "pass the shards round the ring with ok.p2p.isend / irecv yourself"
             )
             return False
-        direct = sorted(set(traffic.direct) | set(res["builtin"]))
-        if direct:
-            report.fail(f"{what}: rank {rank} called {', '.join(direct)}: "
-                        "build it from ok.p2p.isend / irecv (only the kit's messages travel "
-                        "over the emulated link)")  # fmt: skip
-            return False
-        if res["unwaited"]:
-            report.fail(
-                f"{what}: rank {rank} never waited for {len(res['unwaited'])} operation(s), "
-                f"e.g. {res['unwaited'][0]}: wait for every one before using what it "
-                "delivers (and before returning)"
-            )
+        if refused_rank(report, what, rank, res, traffic, "build it from ok.p2p.isend / irecv"):
             return False
         if res["aliased"]:
             report.fail(
@@ -361,19 +350,7 @@ def _moe_results(report, what, results, chunks) -> bool:
             report.fail(f"{what}: rank {rank} used ok.moe.MoELayer, the kit's answer: "
                         "dispatch and combine with ok.all_to_all yourself")  # fmt: skip
             return False
-        direct = sorted(set(traffic.direct) | set(res["builtin"]))
-        if direct:
-            report.fail(
-                f"{what}: rank {rank} called {', '.join(direct)}: "
-                "use ok.all_to_all (only the kit's messages travel over the link)"
-            )
-            return False
-        if res["unwaited"]:
-            report.fail(
-                f"{what}: rank {rank} never waited for {len(res['unwaited'])} operation(s), "
-                f"e.g. {res['unwaited'][0]}: wait for every one before using what it "
-                "delivers (and before returning)"
-            )
+        if refused_rank(report, what, rank, res, traffic, "use ok.all_to_all"):
             return False
         got, want = res["got"], res["want"]
         if not isinstance(got, torch.Tensor) or got.shape != want.shape:
