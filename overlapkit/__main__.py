@@ -155,6 +155,13 @@ def _quiet_rank() -> bool:
 
 
 def _run(args) -> int:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        # under torchrun the ranks are torchrun's: every world size becomes its own
+        world = int(os.environ["WORLD_SIZE"])
+        for name, value in (("world_sizes", str(world)), ("world_size", world)):
+            if getattr(args, name, None) not in (None, value):
+                print(f"under torchrun: {world} ranks (--{name.replace('_', '-')} ignored)")
+                setattr(args, name, value)
     if args.command == "lab":
         from .labcore import run as run_lab
 

@@ -215,9 +215,10 @@ def test_bench_collectives_runs_unchanged_under_torchrun_and_rank_0_alone_report
     out_json = tmp_path / "bench.json"
     out = run("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
               "-m", "overlapkit", "bench", "collectives", "--sizes", "64K", "--world-sizes",
-              "2", "--reps", "2", "--warmup", "1", "--json", str(out_json))  # fmt: skip
+              "2,4", "--reps", "2", "--warmup", "1", "--json", str(out_json))  # fmt: skip
     rows = json.loads(out_json.read_text())["rows"]
-    assert rows and all(r["world"] == 2 for r in rows)
+    assert rows and all(r["world"] == 2 for r in rows)  # torchrun's 2, not the asked 4
+    assert "under torchrun: 2 ranks (--world-sizes ignored)" in out
     assert out.count("algorithm") == 1, out  # rank 1 printed nothing
 
 
