@@ -139,6 +139,7 @@ def _open_and_run_all(browser, jupyter, name: str):
                            timeout=60_000)  # fmt: skip
     prompts = page.locator(".jp-CodeCell .jp-InputPrompt")
     for _ in range(3):  # a request sent while the kernel is still connecting can be lost
+        _answer_dialogs(page, jupyter[2] / f"{name}-dialog.png")
         page.get_by_role("menuitem", name="Run", exact=True).click()
         page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
         started = time.monotonic() + 20
@@ -160,6 +161,23 @@ def _open_and_run_all(browser, jupyter, name: str):
         page.screenshot(path=str(jupyter[2] / f"{name}-timeout.png"), full_page=True)
         pytest.fail(f"{name}: not every cell ran within {RUN_LIMIT_S} s")
     return page, cells
+
+
+def _answer_dialogs(page, shot: Path) -> None:
+    """Answer what JupyterLab asks on opening as a learner would (which kernel: the
+    default one); fail, with its text and a screenshot, on any other dialog."""
+    for _ in range(3):
+        dialog = page.locator(".jp-Dialog")
+        if not dialog.count():
+            return
+        text = dialog.first.inner_text()
+        print(f"JupyterLab asked: {text!r}")
+        if "Select Kernel" in text or "kernel" in text.lower():
+            dialog.first.locator(".jp-mod-accept").first.click()
+            page.wait_for_timeout(500)
+            continue
+        page.screenshot(path=str(shot))
+        pytest.fail(f"JupyterLab asked: {text!r} (screenshot {shot})")
 
 
 def _error_outputs(page) -> list[str]:
