@@ -13,6 +13,7 @@ from . import (
     pingpong,
     pipeline,
     tensor_parallel,
+    training,
     widgets,
 )
 from .collectives import (
@@ -72,6 +73,7 @@ __all__ = [
     "pipeline",
     "moe",
     "tensor_parallel",
+    "training",
     "launch",
     "Timeline",
     "Span",

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from . import runtime
 from .collectives import ring_all_reduce
 
-__all__ = ["Task", "make_task", "train", "History", "MODES", "builtin_all_reduce"]
+__all__ = ["Task", "train", "History", "MODES", "builtin_all_reduce"]
 
 MODES = ("sync", "stale", "local", "accumulate")
 POOL = 64  # batches of data per rank, made up front and cycled
@@ -77,10 +77,6 @@ class Task:
             torch.nn.Linear(self.hidden, self.hidden), torch.nn.Tanh(),
             torch.nn.Linear(self.hidden, 1),
         )  # fmt: skip
-
-
-def make_task(**kwargs) -> Task:
-    return Task(**kwargs)
 
 
 @dataclass
