@@ -340,7 +340,10 @@ class _Executor:
 
 
 def _run_op(fn, op):
-    result = fn()
+    # a collective writes its result in place outside autograd, as the built-ins do; and
+    # the communication worker's thread does not share the caller's torch.no_grad()
+    with torch.no_grad():
+        result = fn()
     if op is not None:
         op.finish()  # its announcements checked, also where no data was waited for
     return result

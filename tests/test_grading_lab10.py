@@ -48,6 +48,12 @@ def test_a_configuration_that_hides_nothing_misses_the_target(measured):
         (None, {}, "TUNED must be a dict like"),
         ({"wrapper": "buckets"}, None, "'wrapper' one of naive, overlap, bucketed"),
         ({"wrapper": "bucketed", "bucket_mb": 0}, None, "must be a size in MiB > 0"),
+        ({"wrapper": "bucketed"}, None, "TUNED has no 'bucket_mb'"),
+        (
+            {"wrapper": "bucketed", "bucket_mb": 25},
+            {"before": {"step_ms": 50.0, "hidden": 0.0}, "after": {"step_ms": 50.0, "hidden": 0.0}},
+            "TUNED is the baseline itself",
+        ),  # fmt: skip
         (
             {"wrapper": "overlap"},
             {"before": {"step_ms": 1.0}, "after": {}},

@@ -50,6 +50,17 @@ def _run(average_parameters):
     }
 
 
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, atol=1e-5)
+
+
+def _explain(text: str) -> str:
+    if "leaf Variable that requires grad" in text:
+        return (" — a parameter was changed in place where autograd records it: do it under "
+                "torch.no_grad() (or on p.data)")  # fmt: skip
+    return ""
+
+
 def check_average_parameters(average_parameters, timeout: float = 20.0) -> Report:
     """Check ``average_parameters(model)`` (every parameter replaced, in place, by its
     mean over the ranks; gradients and buffers untouched) on 2 and 3 ranks."""
@@ -64,6 +75,7 @@ def check_average_parameters(average_parameters, timeout: float = 20.0) -> Repor
             world_size=world,
             timeout=timeout,
             link=CHECK_LINK,
+            explain=_explain,
         )
         if results is None or not _judge(report, what, results, world):
             return report
@@ -86,12 +98,12 @@ def _judge(report, what, results, world) -> bool:
                 continue
             j = int((got - want).abs().argmax())
             g, w = got.reshape(-1)[j].item(), want.reshape(-1)[j].item()
-            earlier_right = i > 0 and all(
-                torch.allclose(a, b, atol=1e-5)
-                for a, b in zip(res["values"][:i], res["want"][:i], strict=True)
-            )
-            if earlier_right:
-                hint = " — the parameters before it are right: is every parameter averaged?"
+            # averaged: now the mean, and not already the mean before (equal on every rank)
+            rows = zip(res["values"], res["want"], res["own"], res["names"], strict=True)
+            right = [n for v, m, o, n in rows if _close(v, m) and not _close(o, m)]
+            if right:
+                hint = (f" — {right[0]!r} is averaged, this one is not: is every parameter "
+                        "averaged?")  # fmt: skip
             elif torch.equal(got, res["own"][i]):
                 hint = (
                     " — this rank's own value, unchanged: the parameters themselves must be "
