@@ -236,13 +236,26 @@ def _check_same_shapes(x, weight, group, name: str) -> None:
         )
 
 
-def _sent(timeline, name: str, handle, start: float) -> None:
-    """Record a waited send as the link saw it (see ``p2p.completed_at``)."""
+def _checked_ring(x, weight, group, check: bool, name: str):
+    """The ring (me, world, left, right as global ranks) of a decomposed matmul, after
+    refusing an input that is not 2-D and (``check``) shard shapes that differ by rank."""
+    if x.dim() != 2:
+        raise ValueError(f"rank {dist.get_rank()}: {name} takes a 2-D input, got {list(x.shape)}")
+    if check:
+        _check_same_shapes(x, weight, group, name)
+    return _ring(group)
+
+
+def _finish_sends(timeline, sends) -> None:
+    """Wait for the ``(name, handle, start, ...)`` sends; record each as the link saw it
+    (see ``p2p.completed_at``)."""
     from . import p2p  # noqa: PLC0415
 
-    if timeline is not None:
-        end = p2p.completed_at(handle) or timeline.now()
-        timeline.add(name, start, max(start, end), "comm")
+    for name, handle, start, *_ in sends:
+        handle.wait()
+        if timeline is not None:
+            end = p2p.completed_at(handle) or timeline.now()
+            timeline.add(name, start, max(start, end), "comm")
 
 
 def _computed(timeline, name: str, start: float) -> None:
@@ -257,12 +270,7 @@ class _AllGatherMatmul(torch.autograd.Function):
     def forward(ctx, x, weight, group, chunks, timeline, check):
         from . import p2p  # noqa: PLC0415
 
-        if x.dim() != 2:
-            raise ValueError(f"rank {dist.get_rank()}: all_gather_matmul takes a 2-D input, "
-                             f"got {list(x.shape)}")  # fmt: skip
-        if check:
-            _check_same_shapes(x, weight, group, "all_gather_matmul")
-        me, world, left, right = _ring(group)  # neighbours as global ranks
+        me, world, left, right = _checked_ring(x, weight, group, check, "all_gather_matmul")
         rows = x.shape[0]
         pieces = _pieces(rows, chunks, "input shard")
         now = time.perf_counter
@@ -289,9 +297,7 @@ class _AllGatherMatmul(torch.autograd.Function):
                 t0 = now()
                 out[a:b] = gathered[a:b] @ w
                 _computed(timeline, f"matmul {src}.{p}", t0)
-        for name, handle, t0 in sends:
-            handle.wait()
-            _sent(timeline, name, handle, t0)
+        _finish_sends(timeline, sends)
         ctx.save_for_backward(gathered, weight)
         ctx.group = group
         return out
@@ -334,12 +340,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
     def forward(ctx, x, weight, group, chunks, timeline, check):
         from . import p2p  # noqa: PLC0415
 
-        if x.dim() != 2:
-            raise ValueError(f"rank {dist.get_rank()}: matmul_reduce_scatter takes a 2-D "
-                             f"input, got {list(x.shape)}")  # fmt: skip
-        if check:
-            _check_same_shapes(x, weight, group, "matmul_reduce_scatter")
-        me, world, left, right = _ring(group)  # neighbours as global ranks
+        me, world, left, right = _checked_ring(x, weight, group, check, "matmul_reduce_scatter")
         if x.shape[0] % world:
             raise ValueError(
                 f"rank {dist.get_rank()}: {x.shape[0]} rows do not split into {world} blocks"
@@ -369,9 +370,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
                     sends.append((f"send {block}.{p}", p2p.isend(acc, right), now(), acc))
                 else:  # block me, summed over every rank
                     out[lo:hi] = acc
-        for name, handle, t0, _ in sends:
-            handle.wait()
-            _sent(timeline, name, handle, t0)
+        _finish_sends(timeline, sends)
         ctx.save_for_backward(x, weight)
         ctx.group = group
         return out
