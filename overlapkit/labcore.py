@@ -12,11 +12,11 @@ measurements at scale::
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
 from . import costmodel, pingpong, runtime
+from .bench.progress import median_seconds
 from .bench.table import format_table
 from .launcher import launch
 
@@ -30,19 +30,6 @@ def _lab00(world):
     return rows, f"fit: α = {alpha * 1e6:.1f} µs, β → {costmodel.bandwidth_gbps(beta):.2f} GB/s"
 
 
-def _time(fn, reps=5):
-    """Median seconds of ``fn()`` on this rank (GPU work finished before reading the clock)."""
-    fn()
-    out = []
-    for _ in range(reps):
-        runtime.synchronize()
-        start = time.perf_counter()
-        fn()
-        runtime.synchronize()
-        out.append(time.perf_counter() - start)
-    return statistics.median(out)
-
-
 def _collectives(nbytes):
     from . import collectives  # noqa: PLC0415
 
@@ -51,10 +38,10 @@ def _collectives(nbytes):
     out = torch.empty(world * len(x), device=device)
     shard = torch.empty(len(x) // world or 1, device=device)
     return {
-        "naive_all_reduce": _time(lambda: collectives.naive_all_reduce(x.clone())),
-        "ring_all_reduce": _time(lambda: collectives.ring_all_reduce(x.clone())),
-        "ring_all_gather": _time(lambda: collectives.ring_all_gather(out, x)),
-        "ring_reduce_scatter": _time(
+        "naive_all_reduce": median_seconds(lambda: collectives.naive_all_reduce(x.clone())),
+        "ring_all_reduce": median_seconds(lambda: collectives.ring_all_reduce(x.clone())),
+        "ring_all_gather": median_seconds(lambda: collectives.ring_all_gather(out, x)),
+        "ring_reduce_scatter": median_seconds(
             lambda: collectives.ring_reduce_scatter(shard, x[: len(shard) * world])
         ),
     }
@@ -86,7 +73,7 @@ def _zero1(steps=5):
         opt.step()
         opt.zero_grad()
 
-    t = _time(step, steps)
+    t = median_seconds(step, steps)
     return {"step_ms": t * 1e3, "optimizer_state_mib": opt.state_bytes() / 2**20}
 
 

@@ -27,17 +27,10 @@ import torch.distributed as dist
 from .. import costmodel, p2p, runtime
 from ..moe import MoELayer, make_moe
 from ..timeline import Timeline
-from .progress import launch_with_progress, slowest
+from .progress import launch_with_progress, median_seconds, slowest, slowest_value
 from .table import format_table, write
-from .tp import _median_time
 
 ALPHA = 50e-6
-
-
-def _slowest_value(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def _rank_bench(tokens, d_model, d_hidden, chunks, reps, warmup, share, progress):
@@ -50,9 +43,9 @@ def _rank_bench(tokens, d_model, d_hidden, chunks, reps, warmup, share, progress
     torch.set_grad_enabled(False)
     # the parts, alone: one chunk's expert compute (about tokens/k arrive per expert) ...
     expert(x)
-    alone = {k: _slowest_value(_median_time(lambda k=k: expert(x[: -(-tokens // k)])))
+    alone = {k: slowest_value(median_seconds(lambda k=k: expert(x[: -(-tokens // k)])))
              for k in chunks}  # fmt: skip
-    whole = _slowest_value(_median_time(lambda: expert(x)))
+    whole = slowest_value(median_seconds(lambda: expert(x)))
     # ... and the layer's own cost per chunk (routing and sorting, issuing the all-to-alls,
     # moving the bytes, waking threads): the layer with experts that do nothing over a
     # link that takes no time, less its routing
@@ -63,7 +56,7 @@ def _rank_bench(tokens, d_model, d_hidden, chunks, reps, warmup, share, progress
     for k in chunks:
         tl = Timeline()
         layer = MoELayer(router, idle, chunks=k, timeline=tl)
-        machinery[k] = _slowest_value(_median_time(lambda layer=layer: layer(x)))
+        machinery[k] = slowest_value(median_seconds(lambda layer=layer: layer(x)))
         route0[k] = statistics.median(s.duration for s in tl.spans if s.name == "route")
     p2p.set_link(link)
     if link is None and share > 0:

@@ -70,3 +70,30 @@ def slowest(start: float, end: float, device=None) -> float:
                          dtype=torch.float64, device=device)  # fmt: skip
     dist.all_reduce(marks, op=dist.ReduceOp.MAX)
     return (marks[1] - marks[0]).item()
+
+
+def median_seconds(fn, reps: int = 5) -> float:
+    """Median seconds of ``fn()`` on this rank, after one untimed call (GPU work finished
+    before each reading of the clock)."""
+    import statistics  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    fn()
+    times = []
+    for _ in range(reps):
+        runtime.synchronize()
+        start = time.perf_counter()
+        fn()
+        runtime.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def slowest_value(seconds: float) -> float:
+    """The largest of every rank's ``seconds`` (a collective on the default group)."""
+    import torch  # noqa: PLC0415
+    import torch.distributed as dist  # noqa: PLC0415
+
+    t = torch.tensor([seconds], dtype=torch.float64, device=runtime.device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()

@@ -28,18 +28,8 @@ from .. import costmodel, p2p, runtime
 from ..collectives import ring_all_gather, ring_reduce_scatter
 from ..tensor_parallel import all_gather_matmul, matmul_reduce_scatter
 from ..timeline import Timeline
-from .progress import launch_with_progress, slowest
+from .progress import launch_with_progress, median_seconds, slowest, slowest_value
 from .table import format_table, write
-
-
-def _median_time(fn, reps: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _inputs(op: str, rows: int, width: int, world: int):
@@ -64,10 +54,8 @@ def _message_overhead(link) -> float:
     def exchange():
         p2p.wait_all([p2p.isend(one, right), p2p.irecv(got, left)])
 
-    spent = _median_time(exchange, reps=9) - (link.message_time(4) if link else 0.0)
-    t = torch.tensor([max(spent, 0.0)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    spent = median_seconds(exchange, reps=9) - (link.message_time(4) if link else 0.0)
+    return slowest_value(max(spent, 0.0))
 
 
 def _serial(op: str, x, w, world: int, tl: Timeline):
@@ -92,8 +80,8 @@ def _rank_bench(rows, width, chunks, reps, warmup, share, progress):
     data = {op: _inputs(op, rows, width, world) for op in ops}
     x, w = data["ag"]
     full = torch.randn(world * rows, width)
-    whole = _median_time(lambda: full @ w.t())  # every multiplication of one step, alone
-    piece = {k: _median_time(lambda k=k: x[: -(-rows // k)] @ w.t())
+    whole = median_seconds(lambda: full @ w.t())  # every multiplication of one step, alone
+    piece = {k: median_seconds(lambda k=k: x[: -(-rows // k)] @ w.t())
              for k in chunks}  # fmt: skip
     t = torch.tensor([whole, *piece.values()], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's compute sets the pace
