@@ -120,23 +120,37 @@ _BUILTINS = ("all_gather_into_tensor", "all_gather_single", "all_gather", "all_t
 
 
 @contextlib.contextmanager
+def recorded_calls(root, names, prefix: str = ""):
+    """Replace the attributes ``names`` of ``root`` (dotted: ``"pipeline.make_schedule"``)
+    by wrappers that record each call (``prefix + name``) and call through; yields the
+    list of calls, and puts the originals back on exit."""
+    called, saved = [], []
+    for dotted in names:
+        *path, attr = dotted.split(".")
+        owner = root
+        for part in path:
+            owner = getattr(owner, part)
+        original = getattr(owner, attr)
+
+        def recorder(*args, _name=prefix + dotted, _fn=original, **kwargs):
+            called.append(_name)
+            return _fn(*args, **kwargs)
+
+        saved.append((owner, attr, original))
+        setattr(owner, attr, recorder)
+    try:
+        yield called
+    finally:
+        for owner, attr, original in saved:
+            setattr(owner, attr, original)
+
+
 def builtin_collectives():
     """Record calls of torch.distributed's collectives (the exercise builds its own)."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    called, saved = [], {n: getattr(dist, n) for n in _BUILTINS if hasattr(dist, n)}
-    for name, fn in saved.items():
-
-        def recorder(*args, _name=name, _fn=fn, **kwargs):
-            called.append(f"torch.distributed.{_name}")
-            return _fn(*args, **kwargs)
-
-        setattr(dist, name, recorder)
-    try:
-        yield called
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
+    present = [n for n in _BUILTINS if hasattr(dist, n)]
+    return recorded_calls(dist, present, prefix="torch.distributed.")
 
 
 def refused_rank(report: Report, what: str, rank: int, res: dict, traffic, advice: str) -> bool:

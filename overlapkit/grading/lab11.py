@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
@@ -10,41 +9,17 @@ import torch
 from .. import handles
 from .collectives import CHECK_LINK
 from .common import builtin_collectives as _builtins
-from .common import refused_rank, run_or_report
+from .common import recorded_calls, refused_rank, run_or_report
 from .report import Report
 
 # --------------------------------------------------------------------------- shared
 
 
-@contextlib.contextmanager
 def _forbidden(names: dict):
-    """Replace kit functions (``{"attr on overlapkit": "what to say"}``) by recorders for
-    the learner's call; yields the list of names called."""
+    """Record the learner's calls of the kit functions ``names`` (dotted on overlapkit)."""
     import overlapkit as ok  # noqa: PLC0415
 
-    called, saved = [], {}
-    for dotted in names:
-        owner, attr = _resolve(ok, dotted)
-        saved[dotted] = (owner, attr, getattr(owner, attr))
-
-        def recorder(*args, _name=dotted, _fn=saved[dotted][2], **kwargs):
-            called.append(_name)
-            return _fn(*args, **kwargs)
-
-        setattr(owner, attr, recorder)
-    try:
-        yield called
-    finally:
-        for owner, attr, fn in saved.values():
-            setattr(owner, attr, fn)
-
-
-def _resolve(root, dotted: str):
-    *path, attr = dotted.split(".")
-    owner = root
-    for part in path:
-        owner = getattr(owner, part)
-    return owner, attr
+    return recorded_calls(ok, names)
 
 
 class _Log:
