@@ -151,11 +151,15 @@ def _chunk_sweep(args) -> dict:
 
 
 def _quiet_rank() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and os.environ["RANK"] != "0"
+    from .launcher import _under_torchrun
+
+    return _under_torchrun() and os.environ["RANK"] != "0"
 
 
 def _run(args) -> int:
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    from .launcher import _under_torchrun
+
+    if _under_torchrun():
         # under torchrun the ranks are torchrun's: every world size becomes its own
         world = int(os.environ["WORLD_SIZE"])
         for name, value in (("world_sizes", str(world)), ("world_size", world)):

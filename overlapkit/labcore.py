@@ -123,10 +123,6 @@ def _lab09(world):
     return rows, "loss of the averaged model after 60 steps"
 
 
-def _lab10(world):
-    return _lab05_07(world)
-
-
 def _lab11(world):
     from .bench.moe import run as moe  # noqa: PLC0415
     from .bench.tp import run as tp  # noqa: PLC0415
@@ -147,7 +143,7 @@ LABS = {
     "07": ("data-parallel steps: naive, overlapped, bucketed", _lab05_07),
     "08": ("pipeline schedules (2 stages)", _lab08),
     "09": ("synchronous, stale and local SGD", _lab09),
-    "10": ("data-parallel steps to tune", _lab10),
+    "10": ("data-parallel steps to tune", _lab05_07),
     "11": ("decomposed tensor-parallel matmuls and the pipelined MoE", _lab11),
 }
 
