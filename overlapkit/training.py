@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from . import runtime
 from .collectives import ring_all_reduce
@@ -141,14 +142,15 @@ def _apply(model, flat: torch.Tensor, lr: float) -> None:
             at += n
 
 
-def _average_parameters(model, all_reduce) -> None:
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+def _averaged(model, all_reduce) -> torch.Tensor:
+    """Every parameter of ``model``, flat, averaged over the ranks (one AllReduce)."""
+    flat = parameters_to_vector(model.parameters()).detach()
     all_reduce(flat, op="avg")
-    at = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(flat[at : at + p.numel()].view_as(p))
-            at += p.numel()
+    return flat
+
+
+def _average_parameters(model, all_reduce) -> None:
+    vector_to_parameters(_averaged(model, all_reduce), model.parameters())
 
 
 def _stretch(seconds: float) -> None:
@@ -183,14 +185,9 @@ def _nominal_compute(model, pool, micro: int, reps: int = 11, warmup: int = 3) -
 
 def _eval_loss(task: Task, model, all_reduce) -> float:
     """The evaluation loss of the average of every rank's parameters."""
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    all_reduce(flat, op="avg")
     probe = task.model()
-    at = 0
+    vector_to_parameters(_averaged(model, all_reduce), probe.parameters())
     with torch.no_grad():
-        for p in probe.parameters():
-            p.copy_(flat[at : at + p.numel()].view_as(p))
-            at += p.numel()
         return torch.nn.functional.mse_loss(probe(task.eval_x), task.eval_y).item()
 
 
