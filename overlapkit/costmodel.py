@@ -359,12 +359,15 @@ def pipeline_step(schedule, forward, backward, transfer: float = 0.0,
 # --------------------------------------------------------------------------- decomposition
 
 
-def _hidden(comm: list[tuple[float, float]], compute: list[tuple[float, float]]) -> float:
-    """Share of the communication time that overlaps computation."""
+def _hidden(spans) -> float:
+    """Share of the ``comm`` spans' time that overlaps ``compute`` spans, for simulated
+    spans (lane, name, start, end)."""
     from .timeline import intersect, length, union  # noqa: PLC0415
 
-    total = length(union(comm))
-    return length(intersect(union(comm), union(compute))) / total if total else 0.0
+    comm = union((b, e) for lane, _, b, e in spans if lane == "comm")
+    work = union((b, e) for lane, _, b, e in spans if lane == "compute")
+    total = length(comm)
+    return length(intersect(comm, work)) / total if total else 0.0
 
 
 def collective_matmul(world: int, chunks: int, compute: float, transfer: float,
@@ -405,10 +408,8 @@ def collective_matmul(world: int, chunks: int, compute: float, transfer: float,
                 spans.append(("comm", f"send {k}.{p}", leave, link))
                 arrive[(k + 1, p)] = link
     step = max(clock, link)
-    comm = [(b, e) for lane, _, b, e in spans if lane == "comm"]
-    work = [(b, e) for lane, _, b, e in spans if lane == "compute"]
     serial = (world - 1) * chunks * transfer + world * chunks * compute
-    return {"step": step, "serial": serial, "hidden": _hidden(comm, work), "spans": spans}
+    return {"step": step, "serial": serial, "hidden": _hidden(spans), "spans": spans}
 
 
 #: the chunk counts the benches and labs sweep
@@ -450,9 +451,7 @@ def moe_step(chunks: int, route: float, expert, all_to_all) -> dict:
         clock = start + e[c]
         spans.append(("compute", f"expert {c}", start, clock))
         comm(f"combine {c}", clock, a[c])
-    comms = [(b, en) for lane, _, b, en in spans if lane == "comm"]
-    work = [(b, en) for lane, _, b, en in spans if lane == "compute"]
-    return {"step": link, "hidden": _hidden(comms, work), "spans": spans}
+    return {"step": link, "hidden": _hidden(spans), "spans": spans}
 
 
 def moe_best_chunks(route: float, expert: float, nbytes: float, world: int, alpha: float,
