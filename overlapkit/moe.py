@@ -12,10 +12,19 @@ c's tokens are in the expert, chunk c+1's travel there and chunk c−1's travel 
     comm:     D0 D1 ·· C0 D2 ·· C1 D3 ·· C2 …
     compute:     E0 ──── E1 ──── E2 ──── E3 …
 
+The first dispatch and the last combine stay exposed. ``local_first=True`` recovers the
+first (as FasterMoE schedules it): the tokens a rank routes to its *own* expert never
+cross the link, so every chunk's dispatch carries only the others' tokens, all are issued
+at once, and the own tokens (L) are computed while they travel::
+
+    comm:     D0 D1 D2 D3 ·· C0 ·· C1 ·· C2 ·· C3
+    compute:  L ─────────── E0 ── E1 ── E2 ── E3
+
 Both all-to-alls run on the kit's communication worker, in issue order (the CPU's
 communication stream), so only the expert compute and the token movement overlap. The
 token counts of every chunk are exchanged once, up front, so the chunks' all-to-alls need
-no count messages of their own. Same outputs and gradients as the unpipelined layer
+no count messages of their own, and the tokens are sorted once (by chunk, then expert), so
+each chunk is one contiguous block. Same outputs and gradients as the unpipelined layer
 (tests); backward sends the gradients back the way the tokens came, chunk by chunk,
 without overlap. No capacity limit: an expert takes every token routed to it.
 """
@@ -113,11 +122,13 @@ class MoELayer(torch.nn.Module):
     ``experts`` (a list with one module per rank: this rank keeps ``experts[rank]``; or
     this rank's expert alone). ``chunks``: pipeline the all-to-alls with the expert
     compute in that many token chunks (1: dispatch, compute, combine one after another).
-    ``timeline`` records ``route``, ``expert c`` (compute) and ``dispatch c`` /
-    ``combine c`` (comm, from issue to completion) spans."""
+    ``local_first``: compute the tokens routed to this rank's own expert first, while
+    every chunk's dispatch (of the other tokens) travels. ``timeline`` records ``route``,
+    ``expert local`` and ``expert c`` (compute) and ``dispatch c`` / ``combine c`` (comm,
+    from issue to completion) spans."""
 
     def __init__(self, router: torch.nn.Module, experts, group=None, chunks: int = 1,
-                 timeline=None):  # fmt: skip
+                 timeline=None, local_first: bool = False):  # fmt: skip
         super().__init__()
         me, world = _ring(group)[:2]
         if isinstance(experts, (list, tuple, torch.nn.ModuleList)):
@@ -134,6 +145,7 @@ class MoELayer(torch.nn.Module):
             )
         self.router, self.expert = copy.deepcopy(router), copy.deepcopy(experts)
         self.group, self.chunks, self.timeline = group, chunks, timeline
+        self.local_first = local_first
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         me, world = _ring(self.group)[:2]
@@ -145,11 +157,18 @@ class MoELayer(torch.nn.Module):
             )
         t0 = time.perf_counter()
         expert, gate = route(x, self.router)
-        bounds = chunk_bounds(len(x), k)
-        orders, send = [], torch.zeros(k, world, dtype=torch.int64)
-        for c, (lo, hi) in enumerate(bounds):
-            orders.append(torch.argsort(expert[lo:hi], stable=True) + lo)
-            send[c] = torch.bincount(expert[lo:hi], minlength=world)
+        # one sort for every chunk, by chunk and then by expert (stable): chunk c's tokens
+        # for rank j are one contiguous block; with local_first this rank's own go first
+        sizes = torch.tensor([hi - lo for lo, hi in chunk_bounds(len(x), k)])
+        key = torch.repeat_interleave(torch.arange(k), sizes) * world + expert
+        send = torch.bincount(key, minlength=k * world).view(k, world)
+        self.tokens_sent = int(send.sum() - send[:, me].sum())  # left this rank
+        local = 0
+        if self.local_first:
+            key = torch.where(expert == me, -1, key)
+            local = int(send[:, me].sum())
+            send[:, me] = 0  # the chunks' all-to-alls carry the others' tokens only
+        order = torch.argsort(key, stable=True)
         try:
             recv = exchange_counts(send, self.group)
         except CollectiveMismatchError as e:
@@ -157,32 +176,40 @@ class MoELayer(torch.nn.Module):
                 f"rank {me}: MoELayer runs with chunks={k} here, but the ranks disagree on "
                 f"the chunk count (every rank must cut its tokens into as many chunks): {e}"
             ) from None
+        sorted_x = x[order]
         self._span("route", t0, "compute")
         send_at, recv_at = send.tolist(), recv.tolist()
-        self.tokens_sent = int(send.sum() - send[:, me].sum())  # left this rank
+        starts = [local]  # where each chunk's block begins in sorted_x
+        for row in send_at:
+            starts.append(starts[-1] + sum(row))
 
         def dispatch(c, pending):
-            return AllToAll.apply(x[orders[c]], recv_at[c], send_at[c], self.group, pending)
+            block = sorted_x[starts[c] : starts[c + 1]]
+            return AllToAll.apply(block, recv_at[c], send_at[c], self.group, pending)
 
-        outs, dispatched, combined = [None] * k, {}, []
-        pending = []
-        dispatched[0] = (dispatch(0, pending), self._track("dispatch 0", pending))
+        # local_first: every dispatch at once (the own tokens' compute covers them); else
+        # one ahead, so that chunk c's combine is not queued behind later dispatches
+        ahead = k if self.local_first else 1
+        outs, dispatched, combined, pending = [], {}, [], []
+        for c in range(ahead):
+            dispatched[c] = (dispatch(c, pending), self._track(f"dispatch {c}", pending))
+        if self.local_first:
+            t0 = time.perf_counter()
+            outs.append(self.expert(sorted_x[:local]))
+            self._span("expert local", t0, "compute")
         for c in range(k):
-            if c + 1 < k:  # the next chunk travels while this one computes
-                dispatched[c + 1] = (
-                    dispatch(c + 1, pending),
-                    self._track(f"dispatch {c + 1}", pending),
-                )
+            if c + ahead < k:  # the next chunk travels while this one computes
+                n = c + ahead
+                dispatched[n] = (dispatch(n, pending), self._track(f"dispatch {n}", pending))
             tokens, handle = dispatched.pop(c)
             handle.wait()
             t0 = time.perf_counter()
             y = self.expert(tokens)
             self._span(f"expert {c}", t0, "compute")
-            outs[c] = AllToAll.apply(y, send_at[c], recv_at[c], self.group, pending)
+            outs.append(AllToAll.apply(y, send_at[c], recv_at[c], self.group, pending))
             combined.append(self._track(f"combine {c}", pending))
         for handle in combined:
             handle.wait()
-        order = torch.cat(orders)
         out = torch.empty_like(x).index_copy(0, order, torch.cat(outs))
         return out * gate[:, None]
 

@@ -13,7 +13,7 @@ def _tokens(rank, n):
     return torch.randn(n, D, generator=torch.Generator().manual_seed(100 + rank))
 
 
-def _moe_on_ranks(chunks, counts, skew):
+def _moe_on_ranks(chunks, counts, skew, local_first=False):
     """Every rank's tokens through the kit's layer, and through the one-device reference
     on the same tokens; returns the differences and this rank's router gradient."""
     me, world = ok.rank(), ok.world_size()
@@ -26,7 +26,7 @@ def _moe_on_ranks(chunks, counts, skew):
     total = sum((reference_moe(x, router, experts) ** 2).sum() for x in xs)
     total.backward()
     # the kit
-    layer = MoELayer(router, experts, chunks=chunks)
+    layer = MoELayer(router, experts, chunks=chunks, local_first=local_first)
     x = _tokens(me, counts[me]).requires_grad_(True)
     y = layer(x)
     (y**2).sum().backward()
@@ -73,10 +73,46 @@ def test_the_pipelined_moe_equals_the_unpipelined_layer_with_uneven_tokens(world
     _check(ok.launch(_moe_on_ranks, chunks, counts, False, world_size=world, link=link))
 
 
-def test_an_expert_that_gets_no_tokens_still_runs_its_chunks():
-    results = ok.launch(_moe_on_ranks, 3, [6, 6], True, world_size=2, timeout=60)
+@pytest.mark.parametrize(("world", "chunks"), [(2, 1), (2, 5), (3, 3)])
+def test_local_first_equals_one_device_outputs_and_gradients(world, chunks):
+    """The own expert's tokens computed first, the others' dispatched in every chunk."""
+    counts = [7 + r for r in range(world)]
+    link = ok.Link(20, 5)
+    _check(ok.launch(_moe_on_ranks, chunks, counts, False, True, world_size=world, link=link))
+
+
+@pytest.mark.parametrize("local_first", [False, True])
+def test_an_expert_that_gets_no_tokens_still_runs_its_chunks(local_first):
+    results = ok.launch(_moe_on_ranks, 3, [6, 6], True, local_first, world_size=2, timeout=60)
     _check(results)
     assert results[1]["expert grad"] == 0
+
+
+def _local_first_spans(local_first):
+    me, world = ok.rank(), ok.world_size()
+    router, experts = make_moe(D, 10, world, seed=3)
+    tl = ok.Timeline()
+    x = _tokens(me, 40)
+    with torch.no_grad():
+        layer = MoELayer(router, experts, chunks=4, timeline=tl, local_first=local_first)
+        layer(x)
+    expert = torch.softmax(router(x), -1).argmax(-1)
+    spans = {s.name: s for s in tl.spans}
+    return {
+        "names": list(spans),
+        "own": int((expert == me).sum()),
+        "sent": layer.tokens_sent,
+        "local starts": spans.get("expert local", spans["route"]).start,
+        "dispatches issued": max(spans[f"dispatch {c}"].start for c in range(4)),
+    }
+
+
+def test_local_first_issues_every_dispatch_before_computing_the_own_tokens():
+    for r in ok.launch(_local_first_spans, True, world_size=2, timeout=60):
+        assert "expert local" in r["names"] and r["own"] + r["sent"] == 40
+        assert r["dispatches issued"] <= r["local starts"]
+    for r in ok.launch(_local_first_spans, False, world_size=2, timeout=60):
+        assert "expert local" not in r["names"] and r["own"] + r["sent"] == 40
 
 
 def _bad_moe(case):
