@@ -416,7 +416,7 @@ def collective_matmul(world: int, chunks: int, compute: float, transfer: float,
 CHUNK_SWEEP = (1, 2, 4, 8, 16, 32)
 
 
-def moe_step(chunks: int, route: float, expert, all_to_all) -> dict:
+def moe_step(chunks: int, route: float, expert, all_to_all, local: float | None = None) -> dict:
     """Simulate one rank of ``ok.moe.MoELayer`` with ``chunks`` token chunks.
 
     ``route``: seconds before the first dispatch (router, sort, count exchange);
@@ -425,9 +425,14 @@ def moe_step(chunks: int, route: float, expert, all_to_all) -> dict:
     one at a time in the order the layer issues them — D0, D1, C0, D2, C1, … (dispatch
     c+1 is issued before chunk c computes, combine c after) — and chunk c computes once
     D(c) is done. ``chunks=1`` is the serial layer: route, dispatch, compute, combine.
-    Returns ``step``, ``hidden`` (share of all-to-all time under expert compute) and
-    ``spans``. More chunks hide more; each all-to-all pays its latency and host cost once
-    more, which ``all_to_all`` per chunk carries.
+
+    ``local``: the layer's ``local_first`` schedule, with ``local`` seconds of compute for
+    the tokens of the rank's own expert (``expert`` is then a chunk's compute of the
+    others' tokens): every dispatch is issued at once, the own tokens computed while they
+    travel, then D0 … C0 C1 … as before. Returns ``step``, ``hidden`` (share of
+    all-to-all time under expert compute) and ``spans``. More chunks hide more; each
+    all-to-all pays its latency and host cost once more, which ``all_to_all`` per chunk
+    carries.
     """
     e = expert if isinstance(expert, (list, tuple)) else [expert] * chunks
     a = all_to_all if isinstance(all_to_all, (list, tuple)) else [all_to_all] * chunks
@@ -443,10 +448,14 @@ def moe_step(chunks: int, route: float, expert, all_to_all) -> dict:
         return link
 
     link = clock = route
-    dispatched = {0: comm("dispatch 0", clock, a[0])}
+    ahead = chunks if local is not None else 1  # dispatches issued before any compute
+    dispatched = {c: comm(f"dispatch {c}", clock, a[c]) for c in range(ahead)}
+    if local is not None:
+        spans.append(("compute", "expert local", clock, clock + local))
+        clock += local
     for c in range(chunks):
-        if c + 1 < chunks:
-            dispatched[c + 1] = comm(f"dispatch {c + 1}", clock, a[c + 1])
+        if c + ahead < chunks:
+            dispatched[c + ahead] = comm(f"dispatch {c + ahead}", clock, a[c + ahead])
         start = max(clock, dispatched[c])
         clock = start + e[c]
         spans.append(("compute", f"expert {c}", start, clock))

@@ -219,6 +219,19 @@ def test_moe_step_pipelines_chunks_behind_one_another():
         cm.moe_step(3, 0.0, [1.0, 1.0], 0.1)
 
 
+def test_moe_step_local_first_hides_the_first_dispatch_under_the_own_tokens():
+    # 2 ranks: half the compute is the own tokens; the others' half travels each way
+    plain = cm.moe_step(4, route=0.0, expert=0.25, all_to_all=0.125)
+    first = cm.moe_step(4, route=0.0, expert=0.125, all_to_all=0.125, local=0.5)
+    # the four dispatches (0.5 s) travel under the own tokens; then each chunk's combine
+    # keeps pace with the next chunk's compute, and only the last one is exposed
+    assert first["step"] == pytest.approx(0.5 + 4 * 0.125 + 0.125)
+    assert first["step"] < plain["step"] and first["hidden"] > plain["hidden"]
+    assert ("compute", "expert local", 0.0, 0.5) in first["spans"]
+    serial_first = cm.moe_step(1, route=0.0, expert=0.5, all_to_all=0.5, local=0.5)
+    assert serial_first["step"] == pytest.approx(1.5) and serial_first["hidden"] == 0.5
+
+
 def test_moe_best_chunks_trades_hidden_transfer_against_latency():
     fast, _ = cm.moe_best_chunks(1e-3, 10e-3, 2e6, 2, alpha=1e-5, beta=5e-9)
     slow, steps = cm.moe_best_chunks(1e-3, 10e-3, 2e6, 2, alpha=3e-3, beta=5e-9)
