@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         "moe", help="pipelined MoE all-to-all vs serial, chunk sweep, vs the model"
     )
     bm.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
-    bm.add_argument("--d-model", type=int, default=128)
-    bm.add_argument("--d-hidden", type=int, default=512)
+    bm.add_argument("--d-model", type=int, default=256)
+    bm.add_argument("--d-hidden", type=int, default=1024)
     bm.add_argument("--world-size", type=int, default=2)
     bm.add_argument("--chunks", default="1,2,4,8,16", help="chunk counts (1: serial)")
     for p in (bt, bm):

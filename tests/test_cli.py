@@ -202,11 +202,14 @@ def test_bench_moe_sweeps_chunk_counts_against_the_serial_layer(tmp_path):
               "--d-hidden", "16", "--chunks", "2", "--reps", "1", "--warmup", "1",
               "--json", str(out_json))  # fmt: skip
     rows = json.loads(out_json.read_text())["rows"]
-    assert [r["chunks"] for r in rows] == [1, 2]  # the serial layer always runs
+    got = [(r["schedule"], r["chunks"]) for r in rows]  # the serial layer always runs
+    assert got == [("pipelined", 1), ("pipelined", 2), ("local first", 1), ("local first", 2)]
     assert rows[0]["x_serial"] == 1 and rows[0]["hidden"] == 0
     for r in rows:
         assert r["step_ms"] > 0 and r["predicted_ms"] > 0 and r["host_ms"] >= 0
-    assert "best chunk count:" in out and "one expert each" in out
+        assert (r["local_ms"] > 0) == (r["schedule"] == "local first")
+    assert "pipelined: best chunk count" in out and "local first: best chunk count" in out
+    assert "one expert each" in out
 
 
 def test_bench_collectives_runs_unchanged_under_torchrun_and_rank_0_alone_reports(tmp_path):
