@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch.distributed as dist
 from torch.distributed import all_reduce as early_bound_all_reduce
@@ -252,9 +254,23 @@ def tracked_never_waited(grad, compute, timeline):
         return compute()
 
 
+def kits_own_spans_begin_late(grad, compute, timeline):
+    # the communication worker is still busy when the AllReduce is issued (as on a loaded
+    # machine, where its thread gets a core late): the kit's spans begin after the issue
+    ok.collectives.run_async(lambda: time.sleep(0.03))
+    return timed_with_the_kits_own_spans(grad, compute, timeline)
+
+
 @pytest.mark.parametrize("fn", [timed_right, timed_with_the_kits_own_spans])
 def test_a_right_timed_step_passes_every_case(fn):
     report = ok.grading.check_timed_step(fn)
+    assert verdicts(report) == [True] * 4, report.cases
+
+
+def test_the_kits_own_spans_may_begin_after_the_issue_when_the_worker_was_busy():
+    """A flake seen in CI: the worker began the AllReduce 7 ms after it was issued, and a
+    right step was told to call timeline.track earlier."""
+    report = ok.grading.check_timed_step(kits_own_spans_begin_late, compute_s=0.15)
     assert verdicts(report) == [True] * 4, report.cases
 
 
