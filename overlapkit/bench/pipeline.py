@@ -53,23 +53,30 @@ def make_stage(stage: int, layers: int, width: int) -> torch.nn.Module:
     return torch.nn.Sequential(*(mods[:half] if stage == 0 else mods[half:]))
 
 
-def _time_compute(stage_mod, width: int, sizes, last: bool, reps: int = 5) -> dict:
-    """Median forward and backward seconds of this stage for each micro-batch size."""
+def _time_compute(stage_mod, width: int, sizes, first: bool, last: bool, reps: int = 9,
+                  warmup: int = 2) -> dict:  # fmt: skip
+    """Median forward and backward seconds of this stage for each micro-batch size, as the
+    pipeline runs them: stage 0's input needs no gradient (its backward skips the first
+    layer's input gradient, 1/8 of the work here), a later stage's does. Every size is
+    warmed up before any is timed: a size's first runs were 20–40% slower here."""
+    inputs = {b: torch.randn(b, width, requires_grad=not first) for b in sorted(set(sizes))}
+
+    def once(x):
+        t0 = time.perf_counter()
+        y = stage_mod(x)
+        loss = y.square().mean() if last else None
+        t1 = time.perf_counter()
+        (loss.backward() if last else y.backward(torch.ones_like(y)))
+        return t1 - t0, time.perf_counter() - t1
+
+    for _ in range(warmup):
+        for x in inputs.values():
+            once(x)
     out = {}
-    for b in sorted(set(sizes)):
-        x = torch.randn(b, width, requires_grad=True)
-        fs, bs = [], []
-        for i in range(reps + 1):
-            t0 = time.perf_counter()
-            y = stage_mod(x)
-            loss = y.square().mean() if last else None
-            t1 = time.perf_counter()
-            (loss.backward() if last else y.backward(torch.ones_like(y)))
-            t2 = time.perf_counter()
-            if i:
-                fs.append(t1 - t0)
-                bs.append(t2 - t1)
+    for b, x in inputs.items():
+        fs, bs = zip(*(once(x) for _ in range(reps)), strict=True)
         out[b] = (statistics.median(fs), statistics.median(bs))
+    stage_mod.zero_grad(set_to_none=True)
     return out
 
 
@@ -94,7 +101,7 @@ def _rank_bench(layers, width, batch, micro, schedules, reps, warmup, share, tor
     s = runtime.rank()
     stage_mod = make_stage(s, layers, width)
     sizes = [n for m in micro for n in (batch // m, -(-batch // m))] + [batch]
-    compute = _time_compute(stage_mod, width, sizes, last=s == P - 1)
+    compute = _time_compute(stage_mod, width, sizes, first=s == 0, last=s == P - 1)
     # every stage's timings, for the prediction and for sizing the link
     everyone = [None] * P
     dist.all_gather_object(everyone, compute)
