@@ -310,6 +310,9 @@ class Timeline:
             return fig
         t0 = min(s.start for s in spans) if t0 is None else t0
         span_ms = (max(s.end for s in spans) - t0) * 1e3 or 1.0
+        # the width of one label character, in ms on this axis (8-point text)
+        axis_px = ax.get_window_extent().width or 1.0
+        char_ms = 0.6 * 8 * fig.dpi / 72 / axis_px * span_ms * 1.01
         colors = dict(_LANE_COLORS)
         for i, lane in enumerate(lane for lane in self.lanes if lane not in colors):
             colors[lane] = _OTHER_COLORS[i % len(_OTHER_COLORS)]
@@ -334,18 +337,7 @@ class Timeline:
                         lw=0,
                     )
             if labels:
-                for s, (x, w) in zip(mine, bars, strict=True):
-                    if w > 0.06 * span_ms:
-                        ax.text(
-                            x + w / 2,
-                            y,
-                            s.name,
-                            ha="center",
-                            va="center",
-                            fontsize=8,
-                            color="white",
-                            clip_on=True,
-                        )
+                _label_bars(ax, [s.name for s in mine], bars, y, char_ms)
         ax.set_yticks(range(len(rows)))
         ax.set_yticklabels([f"rank {r} · {lane}" for r, lane in rows])
         ax.set_ylim(len(rows) - 0.5, -0.5)
@@ -374,10 +366,11 @@ class Timeline:
                     label="comm hidden under compute",
                 )
             )
-        ax.legend(
+        ax.legend(  # below the axis label, at a distance in points whatever the height
             handles=handles,
             loc="upper center",
-            bbox_to_anchor=(0.5, -0.25 if len(rows) > 2 else -0.45),
+            bbox_to_anchor=(0.5, 0.0),
+            borderaxespad=3.4,
             ncol=len(handles),
             frameon=False,
             fontsize=8,
@@ -527,3 +520,17 @@ class _TrackedWork:
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
+
+
+def _label_bars(ax, names, bars, y: float, char_ms: float) -> None:
+    """Write each bar's name on it where the text fits inside the bar and clears the
+    label before it (a lane's spans may overlap, as queued operations do)."""
+    free_from = float("-inf")
+    for name, (x, w) in sorted(zip(names, bars, strict=True), key=lambda item: item[1][0]):
+        width = (len(name) + 1) * char_ms
+        left = x + w / 2 - width / 2
+        if w < width or left < free_from:
+            continue
+        ax.text(x + w / 2, y, name, ha="center", va="center", fontsize=8, color="white",
+                clip_on=True)  # fmt: skip
+        free_from = left + width

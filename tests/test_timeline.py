@@ -236,3 +236,26 @@ def test_a_real_profiler_trace_of_a_gloo_all_reduce_has_its_comm_span(tmp_path):
     assert all(ok.launch(_profiled_all_reduce, str(path), world_size=2, quiet=True))
     tl = ok.Timeline.from_profiler(str(path))
     assert tl.busy("comm") > 0 and tl.busy("compute") > 0
+
+
+def test_plot_labels_never_overlap_where_a_lanes_spans_do():
+    """Queued operations overlap on the comm lane (each from issue to completion): their
+    names are written only where they fit, without running into one another."""
+    tl = ok.Timeline()
+    tl.add("route", 0.0, 0.004, "compute")
+    for c in range(4):  # issued a little after one another, done one after another
+        tl.add(f"dispatch {c}", 0.004 + 0.0002 * c, 0.010 + 0.006 * c, "comm")
+        tl.add(f"expert {c}", 0.010 + 0.006 * c, 0.016 + 0.006 * c, "compute")
+    fig = tl.plot(title="queued")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    texts = [t for t in ax.texts if t.get_text()]
+    boxes = [t.get_window_extent(renderer) for t in texts]
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            assert not a.overlaps(b), [t.get_text() for t in texts]
+    names = {t.get_text() for t in texts}
+    assert {"expert 0", "expert 3", "route"} <= names  # wide enough: labelled
+    dispatches = {n for n in names if n.startswith("dispatch")}
+    assert "dispatch 0" in dispatches and len(dispatches) < 4  # the first; not every one
