@@ -22,6 +22,7 @@ the routing time.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -52,12 +53,10 @@ def _rank_bench(tokens, d_model, d_hidden, chunks, reps, warmup, share, progress
     # the parts, alone: the expert on as many tokens as it gets per chunk (about tokens/k
     # arrive per expert; with local first the own tokens, tokens/world, apart) ...
     expert(x)
-    timed: dict = {}
 
+    @functools.cache  # each row count timed once (and in the same order on every rank)
     def alone(rows):
-        if rows not in timed:
-            timed[rows] = slowest_value(median_seconds(lambda: expert(x[:rows])))
-        return timed[rows]
+        return slowest_value(median_seconds(lambda: expert(x[:rows])))
 
     own = tokens // world
     parts = {("pipelined", k): (alone(-(-tokens // k)), 0.0) for k in chunks}
