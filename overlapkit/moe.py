@@ -169,13 +169,24 @@ class MoELayer(torch.nn.Module):
             local = int(send[:, me].sum())
             send[:, me] = 0  # the chunks' all-to-alls carry the others' tokens only
         order = torch.argsort(key, stable=True)
+        # the schedule travels with the counts (one more row): ranks that disagree on it
+        # would pair one rank's dispatch with another's combine
+        mine = int(self.local_first)
         try:
-            recv = exchange_counts(send, self.group)
+            recv = exchange_counts(torch.cat([send, torch.full((1, world), mine)]), self.group)
         except CollectiveMismatchError as e:
             raise ValueError(
                 f"rank {me}: MoELayer runs with chunks={k} here, but the ranks disagree on "
                 f"the chunk count (every rank must cut its tokens into as many chunks): {e}"
             ) from None
+        recv, theirs = recv[:-1], recv[-1].tolist()
+        if any(flag != mine for flag in theirs):
+            other = next(r for r, flag in enumerate(theirs) if flag != mine)
+            raise ValueError(
+                f"rank {me}: MoELayer runs with local_first={self.local_first} here, but rank "
+                f"{other} runs local_first={not self.local_first}: every rank must use the "
+                "same schedule"
+            )
         sorted_x = x[order]
         self._span("route", t0, "compute")
         send_at, recv_at = send.tolist(), recv.tolist()

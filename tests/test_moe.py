@@ -120,6 +120,8 @@ def _bad_moe(case):
     router, experts = make_moe(D, 10, 2)
     if case == "experts":
         return MoELayer(router, experts + experts)
+    if case == "schedules differ":
+        return MoELayer(router, experts, chunks=2, local_first=me == 0)(_tokens(me, 8))
     chunks = {"too many chunks": 9, "chunks differ": 2 + me}[case]
     return MoELayer(router, experts, chunks=chunks)(_tokens(me, 8))
 
@@ -130,6 +132,10 @@ def _bad_moe(case):
         ("too many chunks", "rank 0: chunks=9 must be an integer from 1 to the 8 tokens"),
         ("chunks differ", "MoELayer runs with chunks=2 here, but the ranks disagree"),
         ("experts", "one expert per rank: got 4 experts for 2 ranks"),
+        (
+            "schedules differ",
+            r"MoELayer runs with local_first=(True|False) here, but rank [01] runs local_first=",
+        ),
     ],
 )
 def test_the_moe_layer_refuses_bad_input_naming_rank_and_sizes(case, words):
