@@ -513,9 +513,9 @@ def _timeline_case(report: Report, results) -> None:
             )
             return
         m_start, m_end = min(a for a, _ in comm), max(b for _, b in comm)
-        # the kit's own spans (timeline=) begin when the op began on its worker
-        began = call.get("began", issued)
-        if abs(m_start - issued) > tol and abs(m_start - began) > tol:
+        # the kit's own spans (timeline=) begin when the op began on its worker (set
+        # whenever "done" is: both come from the op's steps)
+        if abs(m_start - issued) > tol and abs(m_start - call["began"]) > tol:
             report.fail(
                 f"rank {rank}: your comm span starts at {_ms(m_start)}, but the AllReduce "
                 f"was started at {_ms(issued)}: call timeline.track(...) on the handle as "
