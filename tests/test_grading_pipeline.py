@@ -73,10 +73,28 @@ def test_1f1b_backward_before_forward_in_the_steady_state_is_named():
     )
 
 
+def _cut(batch, m, how):
+    """Micro-batches the way a learner may cut them: the exercise's torch.tensor_split, or
+    torch.chunk (also m pieces of at most ⌈batch/m⌉ rows here), or the mistakes."""
+    if how == "torch_split":  # chunks OF m rows
+        return torch.split(batch, m)
+    if how == "torch_split_beyond_1":  # the same, after a special case for m = 1
+        return torch.split(batch, m) if m > 1 else [batch]
+    if how == "chunk":
+        return torch.chunk(batch, m)
+    if how == "one_micro_batch":  # micro_batches ignored
+        return [batch]
+    if how == "lopsided":  # m pieces, but one holds almost everything
+        return torch.split(batch, [len(batch) - m + 1] + [1] * (m - 1))
+    return torch.tensor_split(batch, m)
+
+
 def gpipe_step(stage, inputs, targets, m, mistake=None):
+    cuts = ("torch_split", "torch_split_beyond_1", "chunk", "one_micro_batch", "lopsided")
+    cut = mistake if mistake in cuts else None
     if ok.rank() == 0:
         outs, sends = [], []
-        for x in torch.tensor_split(inputs, m):
+        for x in _cut(inputs, m, cut):
             out = stage(x)
             if mistake == "blocking":
                 ok.p2p.send(out.detach(), 1)
@@ -98,7 +116,7 @@ def gpipe_step(stage, inputs, targets, m, mistake=None):
                 ok.p2p.recv(grad, 1)
             out.backward(grad)
     else:
-        ys = torch.tensor_split(targets, m)
+        ys = _cut(targets, m, "torch_split" if mistake == "rank_1_torch_split" else cut)
         bufs = [torch.empty(len(y), ACT) for y in ys]
         if mistake == "torch_isend":
             recvs = [torch.distributed.irecv(b, 0) for b in bufs]
@@ -207,3 +225,51 @@ def test_1f1b_warm_up_hint_counts_the_steady_states_first_forward():
 
     lines = _lines(ok.grading.check_1f1b_schedule(gpipe))
     assert "Stage 0 ran 4 forward(s) before its first backward; 1F1B runs 2" in lines
+
+
+def test_gpipe_step_torch_split_chunks_of_m_rows_are_named():
+    lines = _lines(ok.grading.check_gpipe_step(_step("torch_split")))
+    assert "rank 0 sent 10 activations" in lines and "micro_batches=1 asks for 1" in lines
+    assert "torch.split(x, 1) cuts chunks OF 1 row (10 of them), not 1 chunk" in lines
+    assert "torch.tensor_split(inputs, 1)" in lines
+
+
+def test_gpipe_step_torch_split_is_named_at_every_micro_batch_count():
+    # the batch of 10 is no square: chunks of m rows never come out as m chunks
+    for m in (2, 3, 4, 5, 6):
+        report = ok.grading.check_gpipe_step(_step("torch_split_beyond_1"), micro_batches=m)
+        lines = _lines(report)
+        assert f"torch.split(x, {m}) cuts chunks OF {m} rows" in lines, (m, lines)
+        assert f"not {m} chunks: torch.tensor_split(inputs, {m})" in lines, (m, lines)
+
+
+def test_gpipe_step_ignoring_micro_batches_is_named():
+    report = ok.grading.check_gpipe_step(_step("one_micro_batch"))
+    lines = _lines(report)
+    assert "rank 0 sent 1 activation (10 rows) where micro_batches=4 asks for 4" in lines
+    assert "The whole batch went as one micro-batch" in lines
+    assert "waited for each" not in lines and not report.all_passed
+
+
+def test_gpipe_step_ranks_that_cut_the_batch_differently_are_named():
+    lines = _lines(ok.grading.check_gpipe_step(_step("rank_1_torch_split")))
+    assert "The two ranks cut the batch differently: rank 1 expected 1 row, rank 0 sent 10" in lines
+
+
+def test_gpipe_step_lopsided_micro_batches_are_named():
+    lines = _lines(ok.grading.check_gpipe_step(_step("lopsided")))
+    assert "rank 0's 4 activations have 7, 1, 1, 1 rows" in lines
+    assert "about batch/m = 2.5 rows (at most 3)" in lines
+
+
+def test_gpipe_step_with_torch_chunk_passes():
+    # torch.chunk(10 rows, m) gives m pieces of at most ⌈10/m⌉ rows for m = 1, 3, 4
+    report = ok.grading.check_gpipe_step(_step("chunk"))
+    assert report.all_passed, _lines(report)
+    assert "4 activations of 3, 3, 3, 1 rows out, 4 gradients back" in _lines(report)
+
+
+def test_gpipe_step_solution_counts_its_messages():
+    lines = _lines(ok.grading.check_gpipe_step(gpipe_step))
+    assert "m=4: 4 activations of 3, 3, 2, 2 rows out, 4 gradients back" in lines
+    assert "m=3: 3 activations of 4, 3, 3 rows out, 3 gradients back" in lines

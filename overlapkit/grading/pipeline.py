@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import torch
@@ -141,7 +142,8 @@ class _Watch:
 
         def isend(tensor, dst, group=None):
             handle = watch._orig[0](tensor, dst, group)
-            entry = {"start": time.perf_counter(), "waited": None, "blocking": False}
+            entry = {"start": time.perf_counter(), "waited": None, "blocking": False,
+                     "rows": _rows(tensor)}  # fmt: skip
             watch.sends.append(entry)
             original_wait = handle.wait
 
@@ -157,14 +159,17 @@ class _Watch:
         def send(tensor, dst, group=None):
             start = time.perf_counter()
             watch._orig[0](tensor, dst, group).wait()
-            watch.sends.append({"start": start, "waited": time.perf_counter(), "blocking": True})
+            watch.sends.append({"start": start, "waited": time.perf_counter(), "blocking": True,
+                                "rows": _rows(tensor)})  # fmt: skip
 
         def irecv(tensor, src, group=None):
-            watch.recvs.append({"posted": time.perf_counter(), "blocking": False})
+            watch.recvs.append({"posted": time.perf_counter(), "blocking": False,
+                                "rows": _rows(tensor)})  # fmt: skip
             return watch._orig[2](tensor, src, group)
 
         def recv(tensor, src, group=None):
-            watch.recvs.append({"posted": time.perf_counter(), "blocking": True})
+            watch.recvs.append({"posted": time.perf_counter(), "blocking": True,
+                                "rows": _rows(tensor)})  # fmt: skip
             watch._orig[2](tensor, src, group).wait()
 
         p2p.isend, p2p.send, p2p.irecv, p2p.recv = isend, send, irecv, recv
@@ -172,6 +177,10 @@ class _Watch:
 
     def __exit__(self, *exc):
         self._p2p.isend, self._p2p.send, self._p2p.irecv, self._p2p.recv = self._orig
+
+
+def _rows(tensor) -> int | None:
+    return tensor.shape[0] if isinstance(tensor, torch.Tensor) and tensor.dim() else None
 
 
 def _run_step(gpipe_step, m):
@@ -224,9 +233,11 @@ def _grads(model, part, x, y, sizes) -> list[torch.Tensor]:
 
 
 def check_gpipe_step(gpipe_step, micro_batches: int = 4, timeout: float = 30.0) -> Report:
-    """Check ``gpipe_step(stage, inputs, targets, micro_batches)`` on 2 ranks: its
-    gradients against one device on the whole batch, for m = 1, ``micro_batches`` and a
-    count that does not divide the batch; then that rank 0's activation sends overlap its
+    """Check ``gpipe_step(stage, inputs, targets, micro_batches)`` on 2 ranks, for m = 1,
+    ``micro_batches`` and a count that does not divide the batch: the messages the
+    exercise defines (m activations of about batch/m rows out, m gradients back; the batch
+    of 10 is no square, so chunks *of* m rows never come out as m chunks), the gradients
+    against one device on the whole batch; then that rank 0's activation sends overlap its
     next forward."""
     report = Report("gpipe_step")
     for m in (1, micro_batches, 3):
@@ -235,15 +246,17 @@ def check_gpipe_step(gpipe_step, micro_batches: int = 4, timeout: float = 30.0) 
                                 link=CHECK_LINK, explain=_explain)  # fmt: skip
         if results is None:
             return report
-        if not _compare(report, results, m):
-            return report
-    for rank, (_, traffic) in enumerate(results):
-        if traffic.direct:
-            called = ", ".join(sorted(set(traffic.direct)))
-            report.fail(
-                f"rank {rank} called {called}: use ok.p2p.isend / irecv / send / recv — only "
-                "the kit's messages go over the emulated link (and only they are seen here)"
-            )
+        for rank, (_, traffic) in enumerate(results):
+            if traffic.direct:
+                called = ", ".join(sorted(set(traffic.direct)))
+                report.fail(
+                    f"rank {rank} called {called}: use ok.p2p.isend / irecv / send / recv — "
+                    "only the kit's messages go over the emulated link (and only they are "
+                    "seen here)"
+                )
+                return report
+        counted = _counted(report, results, m)
+        if counted is None or not _compare(report, results, m, counted):
             return report
     sends = results[0][0]["sends"]
     computes = results[0][0]["computes"]
@@ -294,7 +307,61 @@ def check_gpipe_step(gpipe_step, micro_batches: int = 4, timeout: float = 30.0) 
     return report
 
 
-def _compare(report: Report, results, m: int) -> bool:
+def _counted(report: Report, results, m: int) -> str | None:
+    """The messages the exercise defines, counted: rank 0 sends m activations of about
+    batch/m rows each (``torch.tensor_split(inputs, m)``), rank 1 sends m gradients back.
+    Returns a description for the ✔ line, or None after a ✘ line."""
+    sends0, sends1 = results[0][0]["sends"], results[1][0]["sends"]
+    rows = [s["rows"] for s in sends0]
+    want = [len(c) for c in torch.tensor_split(torch.arange(BATCH), m)]
+    most = -(-BATCH // m)  # ⌈batch / m⌉
+    shown = ", ".join(map(str, rows))
+    fix = (
+        f"torch.tensor_split(inputs, {m}) makes the {m} micro-batch{'es' if m > 1 else ''} "
+        f"({', '.join(map(str, want))} rows)"
+    )
+    if len(rows) != m:
+        if rows == [len(c) for c in torch.split(torch.arange(BATCH), m)]:
+            why = (
+                f"torch.split(x, {m}) cuts chunks OF {_count(m, 'row')} ({len(rows)} of them), "
+                f"not {_count(m, 'chunk')}: {fix}"
+            )
+        elif len(rows) == 1:
+            why = (
+                "The whole batch went as one micro-batch, as if micro_batches were 1: split "
+                f"it into micro_batches pieces — {fix} — and send one activation per piece"
+            )
+        elif not rows:
+            why = f"send each micro-batch's output with ok.p2p.isend; {fix}"
+        else:
+            why = f"one activation per micro-batch: {fix}"
+        report.fail(
+            f"m={m}: rank 0 sent {_count(len(rows), 'activation')} ({shown or 'none'} rows) "
+            f"where micro_batches={m} asks for {m}, one per micro-batch. {why}"
+        )
+        return None
+    if any(r is None or not 1 <= r <= most for r in rows) or sum(rows) != BATCH:
+        report.fail(
+            f"m={m}: rank 0's {m} activations have {shown} rows; the batch of {BATCH} in {m} "
+            f"micro-batches gives each about batch/m = {BATCH / m:g} rows (at most {most}), "
+            f"together {BATCH}: {fix}"
+        )
+        return None
+    if len(sends1) != m:
+        report.fail(
+            f"m={m}: rank 1 sent {len(sends1)} gradient(s) back for {m} micro-batches; the "
+            f"step sends {m}: after each micro-batch's backward, send its activation's "
+            "gradient (buffer.grad) to rank 0"
+        )
+        return None
+    return f"{_count(m, 'activation')} of {shown} rows out, {_count(m, 'gradient')} back"
+
+
+def _count(n: int, thing: str) -> str:
+    return f"{n} {thing}{'s' if n != 1 else ''}"
+
+
+def _compare(report: Report, results, m: int, counted: str = "") -> bool:
     for rank, (res, _) in enumerate(results):
         for k, (name, g, w) in enumerate(zip(res["names"], res["got"], res["want"], strict=True)):
             if g is None:
@@ -329,12 +396,24 @@ def _compare(report: Report, results, m: int) -> bool:
                     f"device on the whole batch gives {w.reshape(-1)[i].item():.6g}.{hint}"
                 )
                 return False
-    report.ok(f"m={m}: both stages' gradients equal one device's on the whole batch")
+    report.ok(f"m={m}: {counted}; both stages' gradients equal one device's on the whole batch")
     return True
 
 
 def _explain(text: str) -> str:
     if "posted a receive of" in text:
+        cut = re.search(
+            rf"rank 1 posted a receive of \d+ bytes \(\((\d+), {ACT}\) float32\) from rank 0 "
+            r".*?but rank 0 sent (\d+) bytes",
+            text,
+        )
+        if cut and int(cut[2]) % (ACT * 4) == 0 and int(cut[2]) // (ACT * 4) != int(cut[1]):
+            return (
+                " The two ranks cut the batch differently: rank 1 expected "
+                f"{_count(int(cut[1]), 'row')}, rank 0 sent {int(cut[2]) // (ACT * 4)}. Both "
+                "make the same m micro-batches with "
+                "torch.tensor_split(x, m) (torch.split(x, m) cuts chunks OF m rows instead)."
+            )
         return (
             " Each receive must match, in shape and order, what the other rank sends: rank 1 "
             "gets micro-batch k's activation, (its size, 16), in micro-batch order; rank 0 "
