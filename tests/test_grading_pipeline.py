@@ -37,7 +37,27 @@ def test_1f1b_warm_up_one_too_long_is_named():
             out.append(acts + [f"B{k}" for k in range(m - warm, m)])
         return out
 
-    assert "min(p − s − 1, m)" in _lines(ok.grading.check_1f1b_schedule(too_warm))
+    lines = _lines(ok.grading.check_1f1b_schedule(too_warm))
+    assert "Stage 0 ran 3 forwards before its first backward; 1F1B runs 2 here" in lines
+    assert "stage 0 of 2 has 1 stage after it, and there are 4" in lines
+    assert "more only hold more activations" in lines
+    assert "min(p" not in lines  # the rule is the learner's to derive, not the hint's
+
+
+def test_1f1b_warm_up_not_capped_by_the_micro_batch_count_is_named():
+    def uncapped(stages, m):
+        out = []
+        for s in range(stages):
+            warm = stages - s - 1
+            acts = [f"F{k}" for k in range(warm)]
+            for k in range(max(m - warm, 0)):
+                acts += [f"F{warm + k}", f"B{k}"]
+            out.append(acts + [f"B{k}" for k in range(max(m - warm, 0), m)])
+        return out
+
+    lines = _lines(ok.grading.check_1f1b_schedule(uncapped))
+    assert "4 stages, 2 micro-batches, stage 0" in lines
+    assert "not expected ['F2'] — there are only 2 micro-batches (0 to 1)" in lines
 
 
 def test_1f1b_that_is_really_gpipe_is_named():
@@ -45,7 +65,7 @@ def test_1f1b_that_is_really_gpipe_is_named():
         return [[f"F{k}" for k in range(m)] + [f"B{k}" for k in range(m)] for _ in range(stages)]
 
     lines = _lines(ok.grading.check_1f1b_schedule(gpipe))
-    assert "forward(s) before its first backward" in lines
+    assert "forwards before its first backward" in lines
 
 
 def test_1f1b_without_the_drain_is_named():
@@ -209,7 +229,19 @@ def test_1f1b_the_kits_own_schedule_is_not_an_answer():
     def borrowed(stages, m):
         return [[str(a) for a in s] for s in ok.pipeline.make_schedule("1f1b", stages, m)]
 
-    assert "called ok.pipeline.make_schedule" in _lines(ok.grading.check_1f1b_schedule(borrowed))
+    report = ok.grading.check_1f1b_schedule(borrowed)
+    assert "called ok.pipeline.make_schedule" in _lines(report)
+    assert report.passed == 0  # the kit's lists earn nothing
+
+
+def test_1f1b_the_kits_own_schedule_under_another_name_is_not_an_answer():
+    from overlapkit.pipeline import make_schedule as schedule  # not ok.pipeline.make_schedule
+
+    def aliased(stages, m):
+        return [[str(a) for a in s] for s in schedule("1f1b", stages, m)]
+
+    report = ok.grading.check_1f1b_schedule(aliased)
+    assert "called ok.pipeline.make_schedule" in _lines(report) and report.passed == 0
 
 
 def test_1f1b_tuples_instead_of_strings_are_named():
@@ -224,7 +256,7 @@ def test_1f1b_warm_up_hint_counts_the_steady_states_first_forward():
         return [[f"F{k}" for k in range(m)] + [f"B{k}" for k in range(m)] for _ in range(stages)]
 
     lines = _lines(ok.grading.check_1f1b_schedule(gpipe))
-    assert "Stage 0 ran 4 forward(s) before its first backward; 1F1B runs 2" in lines
+    assert "Stage 0 ran 4 forwards before its first backward; 1F1B runs 2 here" in lines
 
 
 def test_gpipe_step_torch_split_chunks_of_m_rows_are_named():
@@ -273,3 +305,14 @@ def test_gpipe_step_solution_counts_its_messages():
     lines = _lines(ok.grading.check_gpipe_step(gpipe_step))
     assert "m=4: 4 activations of 3, 3, 2, 2 rows out, 4 gradients back" in lines
     assert "m=3: 3 activations of 4, 3, 3 rows out, 3 gradients back" in lines
+
+
+def test_1f1b_last_stage_with_a_warm_up_is_told_it_is_the_last():
+    def last_warm(stages, m):
+        plan = one_f_one_b(stages, m)
+        plan[-1] = [f"F{k}" for k in range(m)] + [f"B{k}" for k in range(m)]
+        return plan
+
+    lines = _lines(ok.grading.check_1f1b_schedule(last_warm))
+    assert "Stage 1 ran 4 forwards before its first backward; 1F1B runs 1 here" in lines
+    assert "stage 1 is the last, so each micro-batch's backward can follow its forward" in lines
