@@ -180,8 +180,24 @@ def test_an_unfinished_ag_matmul_says_so():
     assert "not implemented yet" in _text(ok.grading.check_ag_matmul(ag_matmul))
 
 
-def test_the_chunked_moe_solution_passes():
-    assert ok.grading.check_chunked_moe(_build(MOE, "chunked_moe")).all_passed
+@pytest.mark.parametrize(
+    "edits",
+    [
+        [],
+        # each combine waited one chunk later, after the next chunk's expert
+        [
+            (
+                "            combines.append((c, back, h2))\n",
+                "            combines.append((c, back, h2))\n"
+                "            if c:\n                combines[c - 1][2].wait()\n",
+            )
+        ],
+    ],
+    ids=["the solution", "combines waited one chunk later"],
+)
+def test_the_chunked_moe_solutions_pass(edits):
+    report = ok.grading.check_chunked_moe(_build(MOE, "chunked_moe", *edits))
+    assert report.all_passed, _text(report)
 
 
 @pytest.mark.parametrize(
@@ -236,6 +252,37 @@ def test_the_chunked_moe_solution_passes():
             ],
             "called torch.distributed.all_to_all_single",
         ),
+        # each combine waited as soon as it is issued: nothing computes while it travels
+        (
+            [
+                (
+                    "            combines.append((c, back, h2))\n",
+                    "            combines.append((c, back, h2))\n            h2.wait()\n",
+                )
+            ],
+            "waited for chunk 0's combine before its expert began on chunk 1: nothing computed",
+        ),
+        # the combine as a blocking all-to-all
+        (
+            [
+                (
+                    "ok.all_to_all(back, y, send[c].tolist(), recv[c].tolist(), async_op=True)",
+                    "ok.all_to_all(back, y, send[c].tolist(), recv[c].tolist())",
+                ),
+                ("            h.wait()\n            out[", "            out["),
+            ],
+            "waited for chunk 0's combine before its expert began on chunk 1: nothing computed",
+        ),
+        # the chunk's tokens numbered from 0: every chunk sends the first chunk's rows
+        (
+            [
+                (
+                    "order = torch.argsort(expert_of[lo:hi], stable=True) + lo",
+                    "order = torch.argsort(expert_of[lo:hi], stable=True)",
+                )
+            ],
+            "Add the chunk's offset: order = torch.argsort(expert_of[lo:hi], stable=True) + lo",
+        ),
         # the next dispatch issued early but waited at once, before this chunk computes
         (
             [
@@ -254,6 +301,9 @@ def test_the_chunked_moe_solution_passes():
         "not pipelined",
         "missing wait",
         "built-in",
+        "combine waited at once",
+        "blocking combine",
+        "no chunk offset",
         "next dispatch waited at once",
     ],
 )

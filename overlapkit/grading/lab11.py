@@ -7,6 +7,7 @@ import time
 import torch
 
 from .. import handles
+from ..collectives import chunk_bounds
 from .collectives import CHECK_LINK
 from .common import builtin_collectives as _builtins
 from .common import recorded_calls, refused_rank, run_or_report
@@ -23,8 +24,10 @@ def _forbidden(names: dict):
 
 
 class _Log:
-    """Times of message posts and waits (``ok.p2p`` and ``ok.all_to_all``) and of compute
-    calls, in one list of (time, event, index)."""
+    """Message posts and waits (``ok.p2p`` and ``ok.all_to_all``) and compute calls, in the
+    order they happened: one list of (time, event, index). Verdicts read the order (a
+    position in the list), never the times, so that they do not depend on the machine's
+    speed."""
 
     def __init__(self):
         self.events: list[tuple[float, str, int]] = []
@@ -48,22 +51,37 @@ class _Log:
         return handle
 
 
+def _compute_calls(events, compute: str) -> list[tuple[int, int | None]]:
+    """(start, end) positions in ``events`` of each ``compute`` call."""
+    calls: list = []
+    for at, (_, e, _) in enumerate(events):
+        if e == compute + " start":
+            calls.append([at, None])
+        elif e == compute + " end" and calls:
+            calls[-1][1] = at
+    return [tuple(c) for c in calls]
+
+
+def _in_flight_across(events, issued: str, waited: str, compute: str, only=None) -> list[int]:
+    """The ``issued`` messages (those numbered in ``only``, if given) that were in flight,
+    posted and not yet waited, across a whole ``compute`` call: their numbers."""
+    starts = {i: at for at, (_, e, i) in enumerate(events)
+              if e == issued and (only is None or i in only)}  # fmt: skip
+    ends: dict = {}
+    for at, (_, e, i) in enumerate(events):
+        if e == waited:
+            ends.setdefault(i, at)
+    calls = _compute_calls(events, compute)
+    return [
+        i for i, a0 in starts.items()
+        if any(a > a0 and b is not None and b < ends.get(i, len(events)) for a, b in calls)
+    ]  # fmt: skip
+
+
 def _overlapped(events, issued: str, waited: str, compute: str, only=None) -> int:
     """How many ``issued`` messages (those numbered in ``only``, if given) were in flight,
     posted and not yet waited, across a whole ``compute`` call."""
-    starts = {i: t for t, e, i in events if e == issued and (only is None or i in only)}
-    ends = {i: t for t, e, i in events if e == waited}
-    spans = [(t, e, i) for t, e, i in events if e in (compute + " start", compute + " end")]
-    calls = []
-    for t, e, _ in spans:
-        if e.endswith("start"):
-            calls.append([t, None])
-        elif calls:
-            calls[-1][1] = t
-    return sum(
-        1 for i, t0 in starts.items()
-        if any(a > t0 and b is not None and b < ends.get(i, float("inf")) for a, b in calls)
-    )  # fmt: skip
+    return len(_in_flight_across(events, issued, waited, compute, only))
 
 
 # --------------------------------------------------------------------------- AG-matmul
@@ -253,16 +271,23 @@ def _run_moe(chunked_moe, chunks):
     outputs: set = set()  # storages of the expert's outputs: what a combine sends
     received: dict = {}  # an all-to-all's output storage -> its number
     dispatches: set = set()  # all-to-alls whose output the expert then computed on
+    combines: set = set()  # all-to-alls that sent what the expert computed
+    tokens: dict = {}  # an all-to-all's number -> the tokens (rows of x) it sent
 
     def all_to_all(*args, **kwargs):
         counter[0] += 1
         n_ = counter[0]
         source = args[1] if len(args) > 1 else kwargs.get("input")
-        combine = isinstance(source, torch.Tensor) and source.data_ptr() in outputs
+        if isinstance(source, torch.Tensor) and source.is_floating_point():
+            rows = _token_numbers(source, x)
+            if any(i >= 0 for i in rows):  # rows of x: a dispatch
+                tokens[n_] = rows
+            elif source.data_ptr() in outputs or any(e == "expert start" for _, e, _ in log.events):
+                combines.add(n_)  # the expert's outputs, on their way back
         target = args[0] if args else kwargs.get("output")
         if isinstance(target, torch.Tensor):
             received[target.data_ptr()] = n_
-        log.mark("combine" if combine else "a2a", n_)
+        log.mark("a2a", n_)
         handle = orig(*args, **kwargs)
         if kwargs.get("async_op"):
             return log.wrap_handle(handle, "a2a waited", n_)
@@ -298,9 +323,21 @@ def _run_moe(chunked_moe, chunks):
         "events": log.events,
         "a2a": counter[0],
         "dispatches": dispatches,
+        "combines": sorted(combines - dispatches),
+        "tokens": tokens,
         "unwaited": handles.take_unwaited(),
         "expert_of": expert_of,
     }
+
+
+def _token_numbers(rows: torch.Tensor, x: torch.Tensor) -> list[int]:
+    """Which token (row of ``x``) each row of ``rows`` is (−1: none); x's rows are random,
+    so equal rows are the same token."""
+    if rows.dim() != 2 or rows.shape[1] != x.shape[1]:
+        return [-1] * (len(rows) if rows.dim() else 0)
+    same = (rows.detach()[:, None, :] == x[None, :, :]).all(dim=-1)
+    found = same.any(dim=1)
+    return [int(i) if f else -1 for i, f in zip(same.int().argmax(dim=1), found, strict=True)]
 
 
 def check_chunked_moe(chunked_moe, timeout: float = 20.0) -> Report:
@@ -326,6 +363,10 @@ def _moe_results(report, what, results, chunks) -> bool:
                         "dispatch and combine with ok.all_to_all yourself")  # fmt: skip
             return False
         if refused_rank(report, what, rank, res, traffic, "use ok.all_to_all"):
+            return False
+        twice = _dispatched_twice(res, chunks)
+        if twice:
+            report.fail(f"{what}: rank {rank} {twice}")
             return False
         got, want = res["got"], res["want"]
         if not isinstance(got, torch.Tensor) or got.shape != want.shape:
@@ -370,4 +411,49 @@ def _moe_results(report, what, results, chunks) -> bool:
                         "computed: issue the next chunk's dispatch (async_op=True) before "
                         "computing this one, and wait for it only when you need it")  # fmt: skip
             return False
+        exposed = _exposed_combines(res) if chunks > 1 else []
+        if exposed:
+            c, n = exposed[0], len(res["combines"]) - 1
+            report.fail(
+                f"{what}: rank {rank} waited for chunk {c}'s combine before its expert began "
+                f"on chunk {c + 1}: nothing computed while that combine travelled ({len(exposed)} "
+                f"of the {n} combines that can hide were waited so). Issue each combine with "
+                "async_op=True and wait for them after the loop (or one chunk later), so that "
+                "chunk c's combine travels while chunk c + 1 is in the expert"
+            )
+            return False
     return True
+
+
+def _exposed_combines(res) -> list[int]:
+    """The chunks (numbered in issue order) whose combine was waited before another
+    chunk's expert call could run beneath it; the last combine has none after it. Read
+    from the order of the issue, wait and compute events, not from their times."""
+    combines = res["combines"]
+    hidden = set(_in_flight_across(res["events"], "a2a", "a2a waited", "expert", set(combines)))
+    return [c for c, i in enumerate(combines[:-1]) if i not in hidden]
+
+
+def _dispatched_twice(res, chunks: int) -> str:
+    """Why some token left in more than one dispatch ("" when none did)."""
+    sent: dict[int, int] = {}
+    for rows in res["tokens"].values():
+        for t in rows:
+            if t >= 0:
+                sent[t] = sent.get(t, 0) + 1
+    twice = sorted(t for t, k in sent.items() if k > 1)
+    if not twice:
+        return ""
+    n = len(res["want"])
+    first = chunk_bounds(n, chunks)[0][1]  # the first chunk's tokens: 0 … first − 1
+    if max(sent) < first < n:
+        return (
+            f"dispatched only tokens 0–{max(sent)}, some of them in several chunks' dispatches, "
+            f"and tokens {first}–{n - 1} never: torch.argsort(expert_of[lo:hi]) numbers a "
+            "chunk's tokens from 0, so every chunk indexed the first chunk's rows. Add the "
+            "chunk's offset: order = torch.argsort(expert_of[lo:hi], stable=True) + lo (for "
+            "x[order] and out[order] alike)"
+        )
+    t = twice[0]
+    return (f"sent token {t} in {sent[t]} dispatches ({len(twice)} token(s) went out more "
+            "than once): each token goes out once, in its own chunk's dispatch")  # fmt: skip
