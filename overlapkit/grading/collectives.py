@@ -14,19 +14,28 @@ over a link that costs nothing, so that a send and a receive of different
 sizes is an error naming both, never a crashed process. A hanging attempt is
 stopped at ``timeout`` and the report says where each rank waited.
 
+With ``made_of=("reduce_scatter", "all_gather")`` (lab 01) the AllReduce must be
+built from those collectives (built-ins or the kit's): every call must call each,
+and none may call an AllReduce. Their tensor forms need sizes that divide by the
+world size; a call whose sizes do not fit is refused before it reaches gloo
+(which would stop the process with a fatal check), and a case whose size does
+not divide says: pad.
+
 Inputs are small integers stored as floats, so sums are exact in any order and
 the numbers in a message are readable.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
 
 from ..collectives import chunk_bounds
 from ..p2p import Link
-from .common import report_failure
+from .common import _learner_line, report_failure
+from .lab01 import PARTS, collective_calls, made_of_problem, padding_advice
 from .report import Report
 from .traffic import Traffic, run_recorded
 
@@ -68,12 +77,15 @@ def _truth(world, numel, salt, op):
 
 class CaseError(RuntimeError):
     """A case raised on a rank: says which case, and carries the cases done before it
-    (``done``), so the check can still report an earlier, more telling wrong value."""
+    (``done``), so the check can still report an earlier, more telling wrong value;
+    ``numel``: the case's size, ``error``: what was raised ("Type: text")."""
 
     done: list = []
+    numel: int | None = None
+    error: str = ""
 
 
-def _case(what: str, call, done: list):
+def _case(what: str, call, done: list, numel: int | None = None):
     """Run one case: (its return value, handles it left un-waited); an error names the
     case (and messages are counted from it)."""
     from .. import handles, p2p
@@ -86,20 +98,22 @@ def _case(what: str, call, done: list):
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised with the case named
         error = CaseError(f"on {what}: {exc}")
-        error.done = done
+        error.done, error.numel, error.error = done, numel, f"{type(exc).__name__}: {exc}"
         raise error from exc
 
 
-def _run_all_reduce(fn, op):
+def _run_all_reduce(fn, op, made_of=None):
     import overlapkit as ok
 
     me, world, out = ok.rank(), ok.world_size(), []
-    for salt, numel in enumerate(_sizes(world)):
-        t = _input(me, numel, salt)
-        returned, unwaited = _case(
-            f"a tensor of {numel} elements", lambda t=t: _call(fn, op, t), out
-        )
-        out.append((numel, t, returned if isinstance(returned, torch.Tensor) else None, unwaited))
+    with collective_calls(fn) if made_of else contextlib.nullcontext([]) as calls:
+        for salt, numel in enumerate(_sizes(world)):
+            t, start = _input(me, numel, salt), len(calls)
+            returned, unwaited = _case(
+                f"a tensor of {numel} elements", lambda t=t: _call(fn, op, t), out, numel
+            )
+            returned = returned if isinstance(returned, torch.Tensor) else None
+            out.append((numel, t, returned, unwaited, tuple(calls[start:])))
     return out
 
 
@@ -226,10 +240,13 @@ def _likely_cause(failing: list[str]) -> str:
     return ""
 
 
-def _first_problem(results, world, expected, op, from_scratch, inputs=None) -> str | None:
+def _first_problem(results, world, expected, op, from_scratch, inputs=None,
+                   made_of=None) -> str | None:  # fmt: skip
     """The first thing wrong, said precisely; None if none. ``results``: (rank, cases,
     traffic) triples. Cases are visited in the order of :func:`_sizes` (most telling
     first), ranks in order."""
+    if made_of and (problem := made_of_problem(results, world, made_of)):
+        return problem
     for rank, _, traffic in results:
         if from_scratch and traffic.collectives:
             called = ", ".join(sorted(set(traffic.collectives)))
@@ -246,7 +263,7 @@ def _first_problem(results, world, expected, op, from_scratch, inputs=None) -> s
         for rank, cases, _ in results:
             if salt >= len(cases):
                 continue
-            numel, got, returned, unwaited = cases[salt]
+            numel, got, returned, unwaited = cases[salt][:4]
             if unwaited:
                 return (
                     f"{world} ranks, {numel} elements: rank {rank} never waited on "
@@ -311,25 +328,47 @@ def _explain_failure(text: str) -> str:
     return ""
 
 
+def _explain_made_of(world: int):
+    """_explain_failure, and for a process gloo stopped (a fatal check on sizes, which the
+    check's size guard should have caught first): which sizes want padding."""
+
+    def explain(text: str) -> str:
+        if "Check failed" not in text:
+            return _explain_failure(text)
+        uneven = [n for n in _sizes(world) if n % world]
+        return (
+            " gloo stopped the rank: a collective got tensors whose sizes do not fit "
+            f"together. Sizes {', '.join(map(str, uneven))} are not divisible by N = {world}: "
+            "pad the tensor with zeros to a multiple of N before reduce_scatter_tensor, and "
+            "drop the padding after the AllGather."
+        )
+
+    return explain
+
+
 def _check(name, fn, runner, expected, world_sizes, op, from_scratch, timeout,
-           inputs=None) -> Report:  # fmt: skip
+           inputs=None, made_of=None) -> Report:  # fmt: skip
     report = Report(name)
+    extra = {"made_of": tuple(made_of)} if made_of else {}
     for world in world_sizes:
         what = f"{name} on {world} ranks"
         try:
             results = run_recorded(runner, fn, op, world_size=world, timeout=timeout,
-                                   link=CHECK_LINK)  # fmt: skip
+                                   link=CHECK_LINK, **extra)  # fmt: skip
         except CaseError as exc:  # a value wrong before the error says more than the error
             done = [(exc.rank, exc.done, Traffic())]
-            problem = _first_problem(done, world, expected, op, False, inputs)
+            problem = _first_problem(done, world, expected, op, False, inputs, made_of)
             text = f"rank {exc.rank} raised {exc}"
+            if made_of and not problem:
+                problem = _made_of_failure(exc, world)
             report.fail(f"{what}: " + (problem or text + _explain_failure(str(exc))))
             return report
         except Exception as exc:  # noqa: BLE001 - reported as the learner would want it
-            report_failure(report, what, exc, timeout, _explain_failure)
+            explain = _explain_made_of(world) if made_of else _explain_failure
+            report_failure(report, what, exc, timeout, explain)
             return report
         results = [(rank, cases, traffic) for rank, (cases, traffic) in enumerate(results)]
-        problem = _first_problem(results, world, expected, op, from_scratch, inputs)
+        problem = _first_problem(results, world, expected, op, from_scratch, inputs, made_of)
         if problem:
             report.fail(problem)
             return report  # one clear reason at a time: fix it, then run the check again
@@ -338,9 +377,30 @@ def _check(name, fn, runner, expected, world_sizes, op, from_scratch, timeout,
     return report
 
 
+def _made_of_failure(exc: CaseError, world: int) -> str | None:
+    """The ✘ text for a case of an AllReduce made of parts that raised: the error, the
+    learner's line, and, for a size that does not divide by N, what padding does."""
+    if exc.numel is None:
+        return None
+    message = (
+        f"a tensor of {exc.numel} elements: rank {exc.rank} raised {exc.error}{_learner_line(exc)}."
+    )
+    if exc.numel % world:
+        return message + padding_advice(exc.numel, world)
+    return message + _explain_failure(exc.error)
+
+
 def check_all_reduce(fn, op: str = "sum", from_scratch: bool = True, world_sizes=WORLD_SIZES,
-                     timeout: float = TIMEOUT_S, name: str | None = None) -> Report:  # fmt: skip
-    """Check an in-place AllReduce ``fn(tensor)`` (or ``fn(tensor, op=op)`` for op != "sum")."""
+                     timeout: float = TIMEOUT_S, name: str | None = None,
+                     made_of=None) -> Report:  # fmt: skip
+    """Check an in-place AllReduce ``fn(tensor)`` (or ``fn(tensor, op=op)`` for op != "sum").
+
+    ``made_of``: the collectives it must be built from, e.g. ``("reduce_scatter",
+    "all_gather")``; each call must call every one of them (built-in or the kit's) and
+    no AllReduce."""
+    unknown = set(made_of or ()) - set(PARTS)
+    if unknown:
+        raise ValueError(f"made_of: unknown part(s) {sorted(unknown)}; known: {sorted(PARTS)}")
 
     def expected(world, rank, numel, salt, op):
         return _truth(world, numel, salt, op), chunk_bounds(numel, world), "a tensor"
@@ -350,7 +410,7 @@ def check_all_reduce(fn, op: str = "sum", from_scratch: bool = True, world_sizes
 
     name = name or getattr(fn, "__name__", "all_reduce")
     return _check(name, fn, _run_all_reduce, expected, world_sizes, op, from_scratch, timeout,
-                  inputs)  # fmt: skip
+                  inputs, made_of)  # fmt: skip
 
 
 def check_reduce_scatter(fn, op: str = "sum", from_scratch: bool = True,
