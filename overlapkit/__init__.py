@@ -33,6 +33,7 @@ from .ddp import (
     measure_host_cost,
     profile_backward,
 )
+from .inflight import RaceError, debug_races
 from .launcher import (
     LaunchError,
     LaunchTimeoutError,
@@ -56,6 +57,8 @@ __all__ = [
     "profile_backward",
     "measure_host_cost",
     "Link",
+    "RaceError",
+    "debug_races",
     "p2p",
     "naive_all_reduce",
     "ring_reduce_scatter",

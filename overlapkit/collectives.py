@@ -39,7 +39,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import costmodel, handles, p2p
+from . import costmodel, handles, inflight, p2p
 from .p2p import CollectiveMismatchError
 
 OPS = ("sum", "avg", "max", "min", "product")
@@ -171,9 +171,10 @@ class Handle(handles.Tracked):
     ``is_completed()`` polls. On CUDA, ``wait()`` makes the caller's current
     stream wait for the operation, as NCCL's ``Work.wait()`` does."""
 
-    def __init__(self, future: concurrent.futures.Future, what: str):
+    def __init__(self, future: concurrent.futures.Future, what: str, guard=None):
         super().__init__(what)
         self._future = future
+        self._guard = guard  # an inflight.Guard over the tensors the op reads and writes
 
     def _wait(self, timeout_at: float | None) -> None:
         remaining = None if timeout_at is None else max(0.0, timeout_at - time.perf_counter())
@@ -184,11 +185,23 @@ class Handle(handles.Tracked):
                 f"{self.what} (started at {self.site}) had not finished when "
                 f"wait(timeout={remaining:.3g}) ran out"
             ) from None
+        except BaseException:
+            if self._guard is not None:
+                self._guard.abandon()
+            raise
         if done_event is not None:
             torch.cuda.current_stream(done_event.device).wait_event(done_event)
+        if self._guard is not None:
+            self._guard.settle()  # the result reaches the caller's tensor, or a RaceError
 
     def is_completed(self) -> bool:
-        return self._future.done()
+        done = self._future.done()
+        if done and self._guard is not None and self._future.exception() is None:
+            # a polling loop may read the tensor once this says True, as with NCCL's
+            # is_completed(): the result is written back now; a race is raised by wait()
+            with contextlib.suppress(inflight.RaceError):
+                self._guard.settle()
+        return done
 
     def get_future(self) -> torch.futures.Future:
         """A ``torch.futures.Future`` completed (on the communication worker) when the
@@ -200,6 +213,11 @@ class Handle(handles.Tracked):
         def settle(done: concurrent.futures.Future) -> None:
             self._mark_waited()  # whoever holds the torch future waits through it
             exc = done.exception()
+            if self._guard is not None:
+                try:
+                    self._guard.abandon() if exc is not None else self._guard.settle()
+                except inflight.RaceError as race:
+                    exc = race
             if exc is not None:
                 future.set_exception(exc)
             else:
@@ -248,7 +266,7 @@ class _Executor:
         op.check = check
         return op
 
-    def issue(self, fn, call, device, async_op: bool, what: str):
+    def issue(self, fn, call, device, async_op: bool, what: str, guard=None):
         if self.in_turn():  # nested in a running op: part of its turn
             result = self._execute(fn, call, device, None)
             if not async_op:
@@ -277,7 +295,7 @@ class _Executor:
         future = concurrent.futures.Future()
         self._ensure_worker()
         self._queue.put((ticket, fn, call, device, ready, future))
-        return Handle(future, what)
+        return Handle(future, what, guard)
 
     def _execute(self, fn, call, device, ready):
         """Run ``fn`` as the op of ``call``: (result, CUDA event marking its end on the comm
@@ -383,13 +401,29 @@ def _executor(group) -> _Executor:
 
 
 def _run(name: str, fn, tensor: torch.Tensor, group, async_op: bool, check: bool,
-         op: str | None = None, extra: int = -1):  # fmt: skip
-    """Issue the kit collective ``fn`` (whose body announces it to its peers)."""
+         op: str | None = None, extra: int = -1, operands=()):  # fmt: skip
+    """Issue the kit collective ``fn(*operands' tensors)`` (whose body announces it to its
+    peers). ``operands``: the caller's (tensor, written?) pairs; an async op guards them
+    while in flight (:mod:`overlapkit.inflight`) and works on what the guard gives it."""
     thread = threading.current_thread().name
     signature, description = _describe_call(name, tensor, op, extra, thread)
     call = (group, signature, description, check)
     what = description.split(",")[0]
-    return _executor(group).issue(fn, call, tensor.device, async_op, what)
+    executor = _executor(group)
+    tensors = [t for t, _ in operands]
+    if not async_op or executor.in_turn() or not tensors:
+        return executor.issue(lambda: fn(*tensors), call, tensor.device, async_op, what)
+    site = handles._format_site(handles._caller())
+    guard = inflight.Guard(what, site, tensors, [w for _, w in operands])
+
+    def guarded():
+        guard.started()
+        try:
+            return fn(*guard.working)
+        finally:
+            guard.ended()
+
+    return executor.issue(guarded, call, tensor.device, async_op, what, guard)
 
 
 def run_async(fn, group=None) -> Handle:
@@ -586,7 +620,7 @@ def ring_reduce_scatter(
     world = _ring(group)[1]
     _check_sharded_pair("ring_reduce_scatter", ("input", input), ("output", output), world)
 
-    def run():
+    def run(output, input):
         _announce_ring(group, input.device, input.numel())
         acc = input.reshape(-1).clone()  # never modify the caller's input
         bounds = chunk_bounds(acc.numel(), world)
@@ -596,7 +630,8 @@ def ring_reduce_scatter(
         finish(mine, op, world)
         output.copy_(mine.view_as(output))
 
-    return _run("ring_reduce_scatter", run, input, group, async_op, check, op, output.numel())
+    return _run("ring_reduce_scatter", run, input, group, async_op, check, op, output.numel(),
+                operands=((output, True), (input, False)))  # fmt: skip
 
 
 def ring_all_gather(
@@ -617,7 +652,7 @@ def ring_all_gather(
     world = _ring(group)[1]
     _check_sharded_pair("ring_all_gather", ("output", output), ("input", input), world)
 
-    def run():
+    def run(output, input):
         _announce_ring(group, input.device, output.numel())
         contiguous = output.is_contiguous()
         buf = (
@@ -632,7 +667,8 @@ def ring_all_gather(
         if not contiguous:
             output.copy_(buf.view_as(output))
 
-    return _run("ring_all_gather", run, input, group, async_op, check, extra=output.numel())
+    return _run("ring_all_gather", run, input, group, async_op, check, extra=output.numel(),
+                operands=((output, True), (input, False)))  # fmt: skip
 
 
 def ring_all_reduce(
@@ -658,7 +694,7 @@ def ring_all_reduce(
     """
     _check_op(op)
 
-    def run():
+    def run(tensor):
         world = _ring(group)[1]
         _announce_ring(group, tensor.device, tensor.numel())
         flat = _flat(tensor)
@@ -670,7 +706,8 @@ def ring_all_reduce(
         _ring_all_gather_flat(flat, bounds, group, span)
         _write_back(tensor, flat)
 
-    return _run("ring_all_reduce", run, tensor, group, async_op, check, op)
+    return _run("ring_all_reduce", run, tensor, group, async_op, check, op,
+                operands=((tensor, True),))  # fmt: skip
 
 
 # --------------------------------------------------------------------------- all-to-all
@@ -746,14 +783,14 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes=Non
     expect = _split_sizes(output_split_sizes, output.shape[0], world, me, "output")
     uneven = input_split_sizes is not None or output_split_sizes is not None
     width = math.prod(input.shape[1:])  # elements per row (rows may be zero)
-    src = input.reshape(len(input), width)
-    # received rows land in place when ``output`` is contiguous, else in a copy written back
-    dst = (output.view(len(output), width) if output.is_contiguous()
-           else output.new_empty(len(output), width))  # fmt: skip
     send_at = [sum(send[:j]) for j in range(world)]
     recv_at = [sum(expect[:j]) for j in range(world)]
 
-    def run():
+    def run(output, input):
+        src = input.reshape(len(input), width)
+        # received rows land in place when ``output`` is contiguous, else in a copy written back
+        dst = (output.view(len(output), width) if output.is_contiguous()
+               else output.new_empty(len(output), width))  # fmt: skip
         if uneven and check and world > 1:
             _agree_on_sizes(send, expect, group, input.device)
         elif check and world > 1:
@@ -775,7 +812,8 @@ def all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes=Non
 
     # the peers agree on the row shape and dtype (the row counts are checked above)
     row = torch.empty(input.shape[1:], dtype=input.dtype, device="meta")
-    return _run("all_to_all", run, row, group, async_op, check and not uneven)
+    return _run("all_to_all", run, row, group, async_op, check and not uneven,
+                operands=((output, True), (input, False)))  # fmt: skip
 
 
 # --------------------------------------------------------------------------- buckets

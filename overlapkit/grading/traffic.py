@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 from dataclasses import dataclass, field
 
 import cloudpickle
@@ -20,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from .. import p2p
+from ..inflight import debug_races
 from ..launcher import hide_frames_from
 
 P2P = ("send", "recv", "isend", "irecv")
@@ -58,6 +60,10 @@ class Traffic:
     collectives: list[str] = field(default_factory=list)
     #: torch.distributed point-to-point calls made directly, not through ok.p2p
     direct: list[str] = field(default_factory=list)
+    #: (call, peer, start, end) of each point-to-point message on the host clock
+    #: (``time.perf_counter``): a blocking call ends when it returns, an isend/irecv when
+    #: its handle's wait() returns (None while never waited)
+    timed: list[list] = field(default_factory=list)
 
     def sent_to(self, peer: int) -> list[int]:
         return [n for p, n in self.sent if p == peer]
@@ -103,6 +109,20 @@ def recording(kit_collectives_are_builtins: bool = True):
         else:
             traffic.collectives.append(name)
 
+    def timed(name, args, kwargs, call, kit=False):
+        """Call a point-to-point function, noting when its message started and ended."""
+        entry = [name, _peer(args, kwargs, "src" if "recv" in name else "dst"),
+                 time.perf_counter(), None]  # fmt: skip
+        traffic.timed.append(entry)
+        result = call()
+        if name in ("send", "recv"):
+            entry[3] = time.perf_counter()
+        elif kit:  # the kit's own handle keeps its type (checks and p2p look at it)
+            result.wait = _timed_wait(result.wait, entry)
+        elif result is not None:  # torch's Work takes no attributes: a stand-in
+            result = _TimedWait(result, entry)
+        return result
+
     def wrap_dist(name, original):
         @functools.wraps(original)
         def wrapper(*args, **kwargs):
@@ -110,6 +130,7 @@ def recording(kit_collectives_are_builtins: bool = True):
                 note(name, args, kwargs)
                 if name in P2P:
                     traffic.direct.append(f"torch.distributed.{name}")
+                    return timed(name, args, kwargs, lambda: original(*args, **kwargs))
             return original(*args, **kwargs)
 
         return wrapper
@@ -122,6 +143,8 @@ def recording(kit_collectives_are_builtins: bool = True):
             note(name, args, kwargs)
             _kit_call.active = True
             try:
+                if name in P2P:
+                    return timed(name, args, kwargs, lambda: original(*args, **kwargs), kit=True)
                 return original(*args, **kwargs)
             finally:
                 _kit_call.active = False
@@ -156,8 +179,34 @@ def recording(kit_collectives_are_builtins: bool = True):
             setattr(module, name, original)
 
 
+def _timed_wait(wait, entry):
+    """``wait`` that notes when it first returned in ``entry``."""
+
+    @functools.wraps(wait)
+    def timed_wait(*args, **kwargs):
+        result = wait(*args, **kwargs)
+        if entry[3] is None:
+            entry[3] = time.perf_counter()
+        return result
+
+    return timed_wait
+
+
+class _TimedWait:
+    """torch's handle of a message, as the learner got it, noting when wait() returned."""
+
+    def __init__(self, handle, entry):
+        self._handle = handle
+        self.wait = _timed_wait(handle.wait, entry)
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+
 def _recorded(fn_bytes: bytes, args, kwargs):
-    with recording() as traffic:
+    # checks run with the read guard on: a tensor read before its operation's wait()
+    # holds NaN every time, so a race fails the check every run, not one run in ten
+    with recording() as traffic, debug_races():
         fn = cloudpickle.loads(fn_bytes)  # after patching: see the module docstring
         value = fn(*args, **kwargs)
     return value, traffic
