@@ -338,10 +338,10 @@ def on_forget(hook) -> None:
 def forget_private_groups() -> None:
     """Drop the kit's process groups and what it remembers of the default group
     (before that group is destroyed)."""
-    global _world_name, _world_size
+    global _world_name, _world_size, _my_rank
     with _private_lock:
         _private.clear()
-    _world_name = _world_size = None
+    _world_name = _world_size = _my_rank = None
     _ends.clear()
     for hook in _forget_hooks:
         hook()
@@ -900,13 +900,15 @@ def through_shared_memory(tensor: torch.Tensor) -> bool:
 
 
 _world_size: int | None = None
+_my_rank: int | None = None
 
 
 def _check_peer(call: str, peer, word: str) -> None:
-    """A peer outside the world would hang in the transport: say so at once."""
-    global _world_size
+    """A peer outside the world, or this rank itself, would hang in the transport: say
+    so at once."""
+    global _world_size, _my_rank
     if _world_size is None:  # looked up once: it sits on every message's path
-        _world_size = dist.get_world_size()
+        _world_size, _my_rank = dist.get_world_size(), dist.get_rank()
     world = _world_size
     try:
         ok = not isinstance(peer, bool) and 0 <= operator.index(peer) < world
@@ -917,6 +919,12 @@ def _check_peer(call: str, peer, word: str) -> None:
             f"ok.p2p.{call}: rank {dist.get_rank()} {word} rank {peer!r}, but the ranks are "
             f"0..{world - 1} (world size {world}). Neighbours wrap around: take them mod N, "
             "e.g. (me + 1) % world and (me - 1) % world."
+        )
+    if peer == _my_rank:
+        raise ValueError(
+            f"ok.p2p.{call}: rank {peer} {word} itself. A rank's own data needs no message "
+            "(and a receive from yourself would wait forever): use or copy it directly, and "
+            "exchange messages only with the other ranks (skip your own rank in the loop)."
         )
 
 

@@ -538,3 +538,20 @@ def test_under_torchrun_kit_ops_in_flight_neither_pair_with_the_users_nor_abort_
         assert "was never waited" in proc.stderr
         for r in (0, 1):
             assert (tmp_path / f"out{r}.txt").read_text() == "done done"
+
+
+def _root_receives_from_itself():
+    buf = torch.zeros(4)
+    if ok.rank() == 0:
+        for src in range(ok.world_size()):  # the root's own rank included: the mistake
+            ok.p2p.recv(buf, src)
+    else:
+        ok.p2p.send(buf, 0)
+
+
+def test_a_message_to_or_from_the_rank_itself_is_refused_at_once_naming_the_line():
+    start = time.monotonic()
+    with pytest.raises(Exception, match="rank 0 receives from itself") as info:
+        ok.launch(_root_receives_from_itself, world_size=2, timeout=30)
+    assert time.monotonic() - start < 10
+    assert "ok.p2p.recv(buf, src)" in str(info.value.__cause__ or info.value)
