@@ -145,6 +145,7 @@ class Guard:
         self.private = debugging()
         self.error: str | None = None
         self._settled = False
+        self._settling = threading.Lock()
         with _lock:
             for t in self._watched:
                 entry = _entry(t)
@@ -201,30 +202,33 @@ class Guard:
     def settle(self) -> None:
         """On the caller (``wait()``, or ``is_completed()`` once True; idempotent): check
         that nobody else changed the tensors, write a private result back, and raise
-        :class:`RaceError` when the tensors were touched."""
-        if not self._settled:
-            self._settled = True
-            with _lock:
-                for i, t in enumerate(self._watched):
-                    entry = _entry(t)
-                    if self.private:
-                        self._changed(t, self._issued[i])
-                    elif entry is not None and entry[1] == 1:  # else another op writes it too
-                        self._changed(t, entry[0])
-                    _release(t)
-            if self.private:
-                with torch.no_grad():
-                    for t, mine, written in zip(self.tensors, self.working, self.writes,
-                                                strict=True):  # fmt: skip
-                        if written:
-                            t.copy_(mine)
+        :class:`RaceError` when the tensors were touched. ``wait()`` and a future's
+        callback on the worker may settle at once: the second finds the result written."""
+        with self._settling:
+            if not self._settled:
+                with _lock:
+                    for i, t in enumerate(self._watched):
+                        entry = _entry(t)
+                        if self.private:
+                            self._changed(t, self._issued[i])
+                        elif entry is not None and entry[1] == 1:  # else another op writes it
+                            self._changed(t, entry[0])
+                        _release(t)
+                if self.private:
+                    with torch.no_grad():
+                        for t, mine, written in zip(self.tensors, self.working, self.writes,
+                                                    strict=True):  # fmt: skip
+                            if written:
+                                t.copy_(mine)
+                self._settled = True
         if self.error is not None:
             raise RaceError(self.error)
 
     def abandon(self) -> None:
         """The op failed: release its tensors (its failure is what wait() raises)."""
-        if not self._settled:
-            self._settled = True
-            with _lock:
-                for t in self._watched:
-                    _release(t)
+        with self._settling:
+            if not self._settled:
+                self._settled = True
+                with _lock:
+                    for t in self._watched:
+                        _release(t)
