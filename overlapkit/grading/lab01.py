@@ -57,35 +57,45 @@ def refuse_misfit(label: str, args, kwargs) -> None:
     import torch.distributed as dist  # noqa: PLC0415
 
     base = label.rsplit(".", 1)[-1]
-    if label.startswith("ok.ring") or base not in _SCATTERS + _GATHERS + ("all_gather",):
+    lists = ("reduce_scatter", "all_gather")
+    if label.startswith("ok.ring") or base not in _SCATTERS + _GATHERS + lists:
         return  # the kit's rings raise their own clear errors
+    scatters = base in _SCATTERS + ("reduce_scatter",)
     group = kwargs.get("group")
-    if group is None and len(args) > (3 if base in _SCATTERS else 2):
-        group = args[3 if base in _SCATTERS else 2]
+    if group is None and len(args) > (3 if scatters else 2):
+        group = args[3 if scatters else 2]
     try:
-        world = dist.get_world_size(group)
+        world, me = dist.get_world_size(group), dist.get_rank(group)
     except Exception:  # noqa: BLE001 - not a group: the collective says what is wrong
         return
     first = _arg(args, kwargs, 0, "output", "output_tensor", "tensor_list")
-    second = _arg(args, kwargs, 1, "input", "input_tensor", "tensor")
-    if base == "all_gather":
-        if not isinstance(first, (list, tuple)) or not isinstance(second, torch.Tensor):
+    second = _arg(args, kwargs, 1, "input", "input_tensor", "tensor", "input_list")
+    if base in lists:
+        parts, mine = (second, first) if scatters else (first, second)
+        if not isinstance(parts, (list, tuple)) or not isinstance(mine, torch.Tensor):
             return
-        sizes = [t.numel() for t in first if isinstance(t, torch.Tensor)]
-        if len(set(sizes) | {second.numel()}) > 1:
+        sizes = [t.numel() if isinstance(t, torch.Tensor) else None for t in parts]
+        if len(sizes) != world:
+            raise ValueError(f"{label}: the list holds {len(sizes)} parts, not N = {world}")
+        if scatters and sizes[me] != mine.numel():
+            raise ValueError(
+                f"{label}: the output has {mine.numel()} elements and this rank's part of the "
+                f"input list {sizes[me]}: they must be the same size"
+            )
+        if not scatters and len(set(sizes) | {mine.numel()}) > 1:
             raise ValueError(
                 f"{label}: the list holds parts of {sizes} elements and the input has "
-                f"{second.numel()}: every part must have the same size"
+                f"{mine.numel()}: every part must have the same size"
             )
         return
     if not (isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)):
         return
-    if base in _SCATTERS and second.numel() != world * first.numel():
+    if scatters and second.numel() != world * first.numel():
         raise ValueError(
             f"{label}: the input has {second.numel()} elements, not N × the output's: "
             f"{world} × {first.numel()} = {world * first.numel()}"
         )
-    if base in _GATHERS and first.numel() != world * second.numel():
+    if not scatters and first.numel() != world * second.numel():
         raise ValueError(
             f"{label}: the output has {first.numel()} elements, not N × the input's: "
             f"{world} × {second.numel()} = {world * second.numel()}"
