@@ -1,4 +1,5 @@
-"""Lab 09's check: the solution passes; typical mistakes are named."""
+"""Lab 09's check: the solutions pass; typical mistakes (what is averaged, and when) are
+named."""
 
 import pytest
 import torch
@@ -68,11 +69,49 @@ def without_no_grad(model):
         p.div_(ok.world_size())
 
 
-@pytest.mark.parametrize("fn", [average_parameters, async_under_no_grad])
+def copy_without_no_grad(model):
+    for p in model.parameters():
+        mean = p.detach().clone()
+        ok.ring_all_reduce(mean, op="avg")
+        p.copy_(mean)
+
+
+def collective_alone(model):
+    """No torch.no_grad(): the collective writes into the parameter outside autograd."""
+    for p in model.parameters():
+        ok.ring_all_reduce(p, op="avg")
+
+
+def on_data_without_no_grad(model):
+    for p in model.parameters():
+        ok.ring_all_reduce(p.data, op="sum")
+        p.data /= ok.world_size()
+
+
+def one_flat_vector(model):
+    flat = torch.nn.utils.parameters_to_vector(model.parameters())
+    ok.ring_all_reduce(flat, op="avg")
+    torch.nn.utils.vector_to_parameters(flat, model.parameters())
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        average_parameters,
+        async_under_no_grad,
+        collective_alone,
+        on_data_without_no_grad,
+        one_flat_vector,
+    ],
+    ids=lambda f: f.__name__,
+)
 def test_the_average_parameters_solutions_pass(fn):
     """Also asynchronously inside torch.no_grad(), whose grad mode the kit's worker
-    thread does not share: collectives run outside autograd, as the built-ins do."""
-    assert ok.grading.check_average_parameters(fn).all_passed
+    thread does not share: collectives run outside autograd, as the built-ins do; and
+    without torch.no_grad() where nothing of the learner's changes a parameter in place
+    through autograd (the prose says so)."""
+    report = ok.grading.check_average_parameters(fn)
+    assert report.all_passed, report.cases
 
 
 @pytest.mark.parametrize(
@@ -85,7 +124,8 @@ def test_the_average_parameters_solutions_pass(fn):
         (new_parameters, "new parameter objects: the optimizer still holds the old ones"),
         (whole_state_dict, "running_mean changed"),
         (skip_first, "'0.bias' is averaged, this one is not: is every parameter averaged?"),
-        (without_no_grad, "do it under torch.no_grad()"),
+        (without_no_grad, "your own in-place change of a parameter (p /= …, p.copy_(…))"),
+        (copy_without_no_grad, "make that change under torch.no_grad() (or on p.data)"),
     ],
     ids=lambda v: getattr(v, "__name__", ""),
 )
@@ -93,3 +133,115 @@ def test_average_parameters_mistakes_are_named(fn, words):
     report = ok.grading.check_average_parameters(fn)
     assert not report.all_passed
     assert words in "\n".join(m for _, m in report.cases)
+
+
+# --------------------------------------------------------------------------- local SGD
+
+
+def _loss_backward(model, batch):
+    x, y = batch
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def local_sgd_step(model, optimizer, batch, step, k):
+    optimizer.zero_grad()
+    _loss_backward(model, batch)
+    optimizer.step()
+    if step % k == 0:
+        average_parameters(model)
+
+
+def local_sgd_manual_update(model, optimizer, batch, step, k):
+    """The update written out (the optimizer's learning rate), the mean via p.data."""
+    model.zero_grad()
+    _loss_backward(model, batch)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= optimizer.param_groups[0]["lr"] * p.grad
+    if step % k == 0:
+        collective_alone(model)
+
+
+def averaged_every_step(model, optimizer, batch, step, k):
+    optimizer.zero_grad()
+    _loss_backward(model, batch)
+    optimizer.step()
+    average_parameters(model)
+
+
+def steps_counted_from_zero(model, optimizer, batch, step, k):
+    optimizer.zero_grad()
+    _loss_backward(model, batch)
+    optimizer.step()
+    if (step + 1) % k == 0:
+        average_parameters(model)
+
+
+def averaged_before_the_update(model, optimizer, batch, step, k):
+    optimizer.zero_grad()
+    _loss_backward(model, batch)
+    if step % k == 0:
+        average_parameters(model)
+    optimizer.step()
+
+
+def averaged_at_the_next_step(model, optimizer, batch, step, k):
+    if step > 1 and (step - 1) % k == 0:
+        average_parameters(model)
+    optimizer.zero_grad()
+    _loss_backward(model, batch)
+    optimizer.step()
+
+
+def averaged_gradients(model, optimizer, batch, step, k):
+    optimizer.zero_grad()
+    _loss_backward(model, batch)
+    if step % k == 0:
+        for p in model.parameters():
+            ok.ring_all_reduce(p.grad, op="avg")
+    optimizer.step()
+
+
+def gradients_never_cleared(model, optimizer, batch, step, k):
+    _loss_backward(model, batch)
+    optimizer.step()
+    if step % k == 0:
+        average_parameters(model)
+
+
+def never_averaged(model, optimizer, batch, step, k):
+    optimizer.zero_grad()
+    _loss_backward(model, batch)
+    optimizer.step()
+
+
+@pytest.mark.parametrize("fn", [local_sgd_step, local_sgd_manual_update], ids=lambda f: f.__name__)
+def test_the_local_sgd_step_solutions_pass(fn):
+    report = ok.grading.check_average_parameters(average_parameters, fn)
+    assert report.all_passed, report.cases
+    assert report.total == 4
+
+
+@pytest.mark.parametrize(
+    ("fn", "words"),
+    [
+        (averaged_every_step, "after step 1 every rank holds the same model: rank 0 averaged"),
+        (steps_counted_from_zero, "after step 2 every rank holds the same model"),
+        (averaged_before_the_update, "averaged before its update of step 3"),
+        (averaged_at_the_next_step, "it averaged at the start of step 4, too late"),
+        (averaged_gradients, "averaged the gradients at step 3"),
+        (gradients_never_cleared, "clear them every step (optimizer.zero_grad())"),
+        (never_averaged, "ran no AllReduce in step 3: with k = 3, average after steps 3, 6"),
+    ],
+    ids=lambda v: getattr(v, "__name__", ""),
+)
+def test_local_sgd_step_mistakes_are_named(fn, words):
+    report = ok.grading.check_average_parameters(average_parameters, fn)
+    assert not report.all_passed
+    assert words in "\n".join(m for _, m in report.cases), report.cases
+
+
+def test_local_sgd_step_is_not_checked_on_a_wrong_average():
+    report = ok.grading.check_average_parameters(summed, local_sgd_step)
+    assert not report.all_passed
+    assert not any("local_sgd_step" in m for _, m in report.cases)
