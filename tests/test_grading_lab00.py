@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import statistics
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -45,6 +47,10 @@ def total_over_iterations(nbytes, iters):
     return sum(_one_way_samples(nbytes, iters))
 
 
+def half_of_one_way(nbytes, iters):
+    return statistics.median(_one_way_samples(nbytes, iters)) / 2
+
+
 def in_milliseconds(nbytes, iters):
     return 1e3 * statistics.median(_one_way_samples(nbytes, iters))
 
@@ -57,27 +63,76 @@ def both_send_first(nbytes, iters):
     return 1e-3
 
 
+def mean_one_way(nbytes, iters):
+    return statistics.fmean(_one_way_samples(nbytes, iters))
+
+
+def whole_loop_timed_once(nbytes, iters):
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    me = dist.get_rank()
+    start = time.perf_counter()
+    for _ in range(iters):
+        if me == 0:
+            dist.send(buf, 1)
+            dist.recv(buf, 1)
+        else:
+            dist.recv(buf, 0)
+            dist.send(buf, 0)
+    return (time.perf_counter() - start) / iters / 2
+
+
+def posted_then_waited(nbytes, iters):
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    me, samples = dist.get_rank(), []
+    for _ in range(iters):
+        start = time.perf_counter()
+        if me == 0:
+            dist.isend(buf, 1).wait()
+            dist.irecv(buf, 1).wait()
+        else:
+            dist.irecv(buf, 0).wait()
+            dist.isend(buf, 0).wait()
+        samples.append((time.perf_counter() - start) / 2)
+    return statistics.median(samples)
+
+
 def _timing(fn):
     report = Report("ping_pong", file=io.StringIO())
     lab00._check_timing(report, fn, 30.0)
     return report.cases[-1]
 
 
-def test_the_round_trip_mistake_fails_the_timing_check_every_time():
+@pytest.fixture
+def cpu_hog():
+    """A process that spins on one of the machine's cores while the test runs."""
+    hog = subprocess.Popen([sys.executable, "-c", "while 1: pass"])
+    yield hog
+    hog.kill()
+    hog.wait()
+
+
+def test_the_round_trip_mistake_fails_the_timing_check_every_time_with_a_cpu_hog(cpu_hog):
     verdicts = [_timing(round_trip) for _ in range(20)]
     assert [passed for passed, _ in verdicts] == [False] * 20, verdicts
     assert all("round-trip time instead of half" in message for _, message in verdicts)
 
 
-def test_a_right_one_way_time_passes_the_timing_check_every_time():
+def test_a_right_one_way_time_passes_the_timing_check_every_time_with_a_cpu_hog(cpu_hog):
     verdicts = [_timing(ping_pong) for _ in range(20)]
     assert [passed for passed, _ in verdicts] == [True] * 20, verdicts
+
+
+@pytest.mark.parametrize("fn", [mean_one_way, whole_loop_timed_once, posted_then_waited])
+def test_other_honest_one_way_times_pass_the_timing_check(fn):
+    verdicts = [_timing(fn) for _ in range(5)]
+    assert [passed for passed, _ in verdicts] == [True] * 5, verdicts
 
 
 @pytest.mark.parametrize(
     "fn, hint",
     [
         (total_over_iterations, "total over all iterations"),
+        (half_of_one_way, "halve a one-way time"),
         (in_milliseconds, "return milliseconds"),
     ],
 )

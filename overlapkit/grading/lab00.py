@@ -11,17 +11,27 @@ from ..pingpong import ping_pong as reference_ping_pong
 from .common import human_bytes, human_seconds, run_or_report
 from .report import Report
 
-#: one-way times within this band of the kit's own measurement pass; a round-trip
-#: time (2×), a total over all iterations (≥ 5×) or half of a one-way time (0.5×) do
-#: not. The ratio is the median of per-round ratios, each round timing the learner's
-#: function and the kit's back to back, so that the machine's drift cancels.
-PING_PONG_BAND = (0.7, 1.45)
-#: rounds per attempt; a ratio between the band and the next mistake gets a second attempt
-TIMING_ROUNDS = 9
+#: a reported one-way time passes when it is within this factor of a one-way statistic
+#: (median or mean, with or without the first round trips as warm-up) of the very round
+#: trips the learner's function made, timed by the check as they ran: the same messages,
+#: so the machine's noise cancels. A round trip (2×), a total, or half a one-way time
+#: lies nearer to a wrong candidate than to a right one.
+PING_PONG_TOLERANCE = 1.15
+#: calls of the learner's function judged; the verdict is the majority's
+TIMING_CALLS = 3
+#: one-way statistics a learner may report, and what other reports are
+_RIGHT = ("median", "mean")
+_WRONG = {
+    "round trip": (2.0, " Did you return the round-trip time instead of half of it?"),
+    "half": (0.5, " Did you halve a one-way time (time only the send, or divide by 4)?"),
+    "milliseconds": (1e3, " Did you return milliseconds? Return seconds."),
+    "microseconds": (1e6, " Did you return microseconds? Return seconds."),
+}
 
 
 def _interleaved(student_fn, nbytes, iters, rounds):
-    """On each rank: student, kit, student, kit... at one size; the per-round times."""
+    """On each rank: student, kit, student, kit... at one size; the per-round times
+    (the fallback judgement when the check could not time the learner's messages)."""
     import overlapkit as ok
 
     student, kit = [], []
@@ -33,18 +43,49 @@ def _interleaved(student_fn, nbytes, iters, rounds):
     return student, kit
 
 
+def round_trips(timed, peer: int = 1) -> list[float]:
+    """Rank 0's one-way times, one per round trip: (end of the k-th receive from ``peer``
+    − start of the k-th send to it) / 2, from the recorder's message times."""
+    sends = [start for call, p, start, _ in timed if "send" in call and p == peer]
+    ends = [end for call, p, _, end in timed if "recv" in call and p == peer]
+    return [(e - s) / 2 for s, e in zip(sends, ends, strict=False) if e is not None and e > s]
+
+
+def candidates(samples: list[float]) -> dict[str, float]:
+    """What a right answer may be (name -> seconds), and what each mistake gives."""
+    right = {}
+    for skip in range(min(3, len(samples))):
+        kept = samples[skip:]
+        right[f"median{skip}"] = statistics.median(kept)
+        right[f"mean{skip}"] = statistics.fmean(kept)
+    wrong = {f"{name}:{k}": v * factor for name, (factor, _) in _WRONG.items()
+             for k, v in right.items()}  # fmt: skip
+    for skip in range(min(3, len(samples))):
+        wrong[f"total:{skip}"] = sum(samples[skip:])
+        wrong[f"total round trips:{skip}"] = 2 * sum(samples[skip:])
+    return {**right, **wrong}
+
+
+def judge_one_way(value: float, samples: list[float]) -> tuple[bool, str]:
+    """(right?, nearest candidate's name) for a reported one-way time."""
+    found = candidates(samples)
+    name = min(found, key=lambda k: abs(math.log(value / found[k])))
+    near = abs(math.log(value / found[name])) <= math.log(PING_PONG_TOLERANCE)
+    return (near and ":" not in name), name
+
+
 def _ratio_hint(ratio: float) -> str:
-    """The mistake a ratio (learner's one-way time ÷ the kit's) points to."""
+    """The mistake a ratio (learner's one-way time ÷ the right one) points to."""
     if 1.45 < ratio < 3.0:
-        return " Did you return the round-trip time instead of half of it?"
+        return _WRONG["round trip"][1]
     if 300 < ratio < 3000:
-        return " Did you return milliseconds? Return seconds."
+        return _WRONG["milliseconds"][1]
     if 3e5 < ratio < 3e6:
-        return " Did you return microseconds? Return seconds."
+        return _WRONG["microseconds"][1]
     if 3.0 <= ratio <= 50:
         return " Did you return the total over all iterations instead of the median of one?"
     if 0.3 < ratio < 0.7:
-        return " Did you halve a one-way time (time only the send, or divide by 4)?"
+        return _WRONG["half"][1]
     if ratio <= 0.3:
         return " Do you time the whole round trip, both send and recv?"
     return ""
@@ -55,7 +96,8 @@ def check_ping_pong(ping_pong, timeout: float = 10.0) -> Report:
 
     Runs it on 2 ranks and checks (1) the messages: each iteration sends
     ``nbytes`` from rank 0 to rank 1 and back; (2) the value: seconds, finite,
-    positive, one-way; (3) it agrees with the kit's own measurement.
+    positive, one-way; (3) it agrees with the round trips the function made, timed by
+    the check as they ran (the median or mean of their halves, not twice that).
     """
     report = Report("ping_pong")
     iters = 8
@@ -85,11 +127,47 @@ def check_ping_pong(ping_pong, timeout: float = 10.0) -> Report:
 
 
 def _check_timing(report: Report, ping_pong, timeout: float) -> None:
+    """Judge the reported time against the same call's own messages, timed as they ran."""
+    nbytes, iters, size = 4 << 20, 8, human_bytes(4 << 20)
+    verdicts, values, samples = [], [], []
+    for _ in range(TIMING_CALLS):
+        results = run_or_report(report, f"ping_pong({nbytes}, {iters})", ping_pong, nbytes,
+                                iters, world_size=2, timeout=max(timeout, 30.0))  # fmt: skip
+        if results is None:
+            return
+        value, traffic = results[0]
+        trips = round_trips(traffic.timed)
+        if not isinstance(value, (int, float)) or value <= 0 or len(trips) < iters // 2:
+            return _check_timing_against_kit(report, ping_pong, timeout)
+        verdicts.append(judge_one_way(float(value), trips))
+        values.append(float(value))
+        samples.append(statistics.median(trips))
+    passed = sum(right for right, _ in verdicts)
+    ratio = statistics.median(v / m for v, m in zip(values, samples, strict=True))
+    if passed * 2 > len(verdicts):
+        report.ok(f"{size}: the one-way time agrees with your own messages, timed as they ran")
+        return
+    wrong = [name for right, name in verdicts if not right]
+    mistake = max(set(wrong), key=wrong.count).split(":")[0]
+    hint = (_WRONG[mistake][1] if mistake in _WRONG
+            else " Did you return the total over all iterations instead of the median of one?"
+            if mistake.startswith("total") else _ratio_hint(ratio))  # fmt: skip
+    report.fail(
+        f"{size}: your one-way time is {ratio:.2f}× the median one-way time of the round trips "
+        f"your function made, as the check timed them (median of {len(values)} calls: yours "
+        f"{human_seconds(statistics.median(values))}, the messages' "
+        f"{human_seconds(statistics.median(samples))}).{hint}"
+    )
+
+
+def _check_timing_against_kit(report: Report, ping_pong, timeout: float) -> None:
+    """When the learner's messages could not be timed (no send/recv the check sees):
+    compare with the kit's own measurement, interleaved, per-round ratios."""
     nbytes, size = 4 << 20, human_bytes(4 << 20)
     ratios, student_times, kit_times = [], [], []
     for attempt in range(2):
         results = run_or_report(report, f"ping_pong({nbytes}, 5)", _interleaved, ping_pong,
-                                nbytes, 5, TIMING_ROUNDS, world_size=2,
+                                nbytes, 5, 9, world_size=2,
                                 timeout=max(timeout, 30.0))  # fmt: skip
         if results is None:
             return
@@ -98,8 +176,7 @@ def _check_timing(report: Report, ping_pong, timeout: float) -> None:
         kit_times += kit
         ratios += [s / k for s, k in zip(student, kit, strict=True)]
         ratio = statistics.median(ratios)
-        low, high = PING_PONG_BAND
-        if low <= ratio <= high:
+        if 0.7 <= ratio <= 1.45:
             report.ok(f"{size}: the one-way time agrees with the kit's own measurement")
             return
         if ratio >= 1.6 or ratio <= 0.6 or attempt == 1:
