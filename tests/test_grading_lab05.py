@@ -95,6 +95,20 @@ def polls_before_compute(grad, compute):
     return out
 
 
+def polls_after_compute(grad, compute):
+    handle = ok.ring_all_reduce(grad, async_op=True)
+    out = compute()
+    while not handle.is_completed():
+        time.sleep(0.0005)
+    return out
+
+
+def polls_once_and_returns(grad, compute):
+    handle = ok.ring_all_reduce(grad, async_op=True)
+    handle.is_completed()
+    return compute()
+
+
 def reduces_a_copy(grad, compute):
     handle = ok.ring_all_reduce(grad.clone(), async_op=True)
     out = compute()
@@ -151,7 +165,8 @@ def test_a_right_overlapped_step_passes_every_case():
         (all_reduce_twice, [False, False, False], ["2 times", "all-reduced twice"]),
         (returns_grad, [True, False, True], ["returned grad", "compute() returned"]),
         (returns_nothing, [True, False, True], ["returned None", "forget `return`"]),
-        (polls_before_compute, [True, True, False], ["already ended before compute() began"]),
+        (polls_before_compute, [True, True, False], ["loop on is_completed() ran before"]),
+        (polls_once_and_returns, [False, True, True], ["returned before it said True"]),
         (reduces_a_copy, [True, False, True], ["own gradient", "copy"]),
         (averages, [True, False, True], ["divided by 2", "op='avg'"]),
     ],
@@ -163,6 +178,11 @@ def test_each_mistake_is_named_in_the_case_it_breaks(fn, verdict, words):
     text = " ".join(message for passed, message in report.cases if not passed)
     for word in words:
         assert word in text, (word, text)
+
+
+def test_polling_is_completed_until_true_is_a_right_way_to_wait():
+    report = ok.grading.check_overlapped_step(polls_after_compute)
+    assert verdicts(report) == [True, True, True], report.cases
 
 
 def test_a_wrong_grad_names_the_rank_the_element_and_both_values():
@@ -254,6 +274,14 @@ def tracked_never_waited(grad, compute, timeline):
         return compute()
 
 
+def wait_inside_compute_span(grad, compute, timeline):
+    handle = timeline.track("all-reduce", ok.ring_all_reduce(grad, async_op=True))
+    with timeline.span("compute"):
+        out = compute()
+        handle.wait()
+    return out
+
+
 def kits_own_spans_begin_late(grad, compute, timeline):
     # the communication worker is still busy when the AllReduce is issued (as on a loaded
     # machine, where its thread gets a core late): the kit's spans begin after the issue
@@ -280,6 +308,7 @@ def test_the_kits_own_spans_may_begin_after_the_issue_when_the_worker_was_busy()
         (comm_span_until_wait, [True] * 3 + [False], ["ends when wait() returned", "track"]),
         (tracked_after_compute, [True] * 3 + [False], ["comm span starts at", "as soon as"]),
         (no_compute_span, [True] * 3 + [False], ["no span on the 'compute' lane"]),
+        (wait_inside_compute_span, [True] * 3 + [False], ["inside `with timeline.span"]),
         (no_comm_span, [True] * 3 + [False], ["no span on the 'comm' lane"]),
         # the track's future marks the handle done: the check still sees no wait() call
         (tracked_never_waited, [False, True, True, True], ["never called wait()"]),

@@ -81,6 +81,8 @@ class _Call:
         self.steps: list[tuple[float, float]] = []  # the kit's RS/AG step spans
         self.waits: list[float] = []  # when wait() was called
         self.waited: list[float] = []  # when it returned
+        self.polls: list[float] = []  # when is_completed() was called
+        self.polled_done: float | None = None  # when is_completed() first said True
         self.handle = None
 
     @contextlib.contextmanager
@@ -177,6 +179,17 @@ def _watch_wait(handle, call: _Call) -> None:
             call.waited.append(_now())
 
     handle.wait = wait
+    polled = handle.is_completed
+
+    @functools.wraps(polled)
+    def is_completed():
+        call.polls.append(_now())
+        done = polled()
+        if done and call.polled_done is None:
+            call.polled_done = _now()
+        return done
+
+    handle.is_completed = is_completed
 
 
 def _describe_returned(out, grad: torch.Tensor, compute: _Compute) -> str | None:
@@ -244,16 +257,18 @@ def _run(fn_bytes: bytes, timed: bool, compute_s: float):
     def rel(t):
         return None if t is None else t - t0
 
-    # as the step left them, before the check waits for what it did not
+    # as the step left them, before the check waits for what it did not. A loop on
+    # is_completed() until True waits as wait() does: its first poll counts as the wait
     calls = [
         {
             "async": c.async_op,
             "issued": rel(c.issued),
-            "waits": [rel(t) for t in c.waits],
-            "waited": [rel(t) for t in c.waited],
+            "waits": [rel(t) for t in c.waits or c.polls[:1] * (c.polled_done is not None)],
+            "waited": [rel(t) for t in c.waited or [c.polled_done] * (c.polled_done is not None)],
+            "polled": bool(c.polls) and not c.waits,
             "handle": c.handle is not None,
             "site": getattr(c.handle, "site", "?"),
-            "running_at_return": c.handle is not None and not c.handle.is_completed(),
+            "running_at_return": c.handle is not None and not type(c.handle).is_completed(c.handle),
         }
         for c in probe.calls
     ]
@@ -351,6 +366,13 @@ def _handle_case(report: Report, results, name: str) -> None:
                 "None, so nothing could overlap with it. Pass async_op=True and keep the handle"
             )
             return
+        if not call["waits"] and call["polled"]:
+            report.fail(
+                f"rank {rank}: you polled the handle's is_completed() but returned before it "
+                f"said True (started at {call['site']}): poll until it does, or call "
+                "handle.wait() after compute() and before returning"
+            )
+            return
         if not call["waits"]:
             state = (
                 "was still running, so whoever reads grad next reads it half reduced"
@@ -446,6 +468,13 @@ def _overlap_case(report: Report, results, name: str) -> None:
             )
             return
         early = [t for t in call["waits"] if t < c_start]
+        if early and call["polled"]:
+            report.fail(
+                "no overlap: your loop on is_completed() ran before compute(), so the rank "
+                f"waited for the whole AllReduce and only then computed: the serial step{where}. "
+                "Start the AllReduce, then compute(), then wait (or poll)"
+            )
+            return
         if early:
             report.fail(
                 "no overlap: you called wait() before compute(), so the rank sat idle for the "
@@ -510,6 +539,16 @@ def _timeline_case(report: Report, results) -> None:
                 f"rank {rank}: your compute span ({_ms(s_start)}–{_ms(s_end)}) is not where "
                 f"compute() ran ({_ms(c_start)}–{_ms(c_end)}): put "
                 "`with timeline.span('compute'):` right around the call"
+            )
+            return
+        waits = call["waits"]
+        if waits and not call["polled"] and any(a < waits[0] < b for a, b in comp):
+            report.fail(
+                f"rank {rank}: you called wait() inside `with timeline.span('compute'):` "
+                f"(at {_ms(waits[0])}, in the compute span {_ms(s_start)}–{_ms(s_end)}): the "
+                "span then also holds the wait for the AllReduce, so the table counts waiting "
+                "as computing and the AllReduce looks hidden even when it is not. Call "
+                "handle.wait() after the with block"
             )
             return
         m_start, m_end = min(a for a, _ in comm), max(b for _, b in comm)
