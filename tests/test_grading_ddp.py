@@ -48,7 +48,9 @@ class HookDDP(torch.nn.Module):
         for p, handle in self.pending:
             if self.mistake != "no_wait" and handle is not None:
                 handle.wait()
-            if self.mistake not in ("sum", "divide_before_wait"):
+            if self.mistake == "divide_by_two":
+                p.grad /= 2
+            elif self.mistake not in ("sum", "divide_before_wait"):
                 p.grad /= ok.world_size()
         if self.mistake != "keep_pending":
             self.pending.clear()
@@ -85,7 +87,7 @@ def test_hook_ddp_all_reduce_after_backward_is_named_naive():
 
 def test_hook_ddp_pending_list_never_cleared_is_named():
     report = ok.grading.check_hook_ddp(_variant("keep_pending"))
-    assert "divided twice" in _lines(report) or "clear your list" in _lines(report)
+    assert any(w in _lines(report) for w in ("divided twice", "clear your list", "not cleared"))
 
 
 def test_hook_ddp_missing_wait_is_named():
@@ -98,6 +100,21 @@ def test_hook_ddp_builtin_all_reduce_is_named_not_mistaken_for_naive():
     report = ok.grading.check_hook_ddp(_variant("builtin"))
     assert "called torch.distributed.all_reduce" in _lines(report)
     assert "NaiveDDP" not in _lines(report)
+
+
+def test_hook_ddp_a_hard_coded_two_is_named_on_three_ranks():
+    report = ok.grading.check_hook_ddp(_variant("divide_by_two"))
+    assert not report.all_passed
+    assert "divide by 2 instead of by ok.world_size()" in _lines(report)
+
+
+def test_hook_ddp_dividing_a_gradient_before_its_wait_fails_every_time_as_a_race():
+    for _ in range(3):
+        report = ok.grading.check_hook_ddp(_variant("divide_before_wait"))
+        assert not report.all_passed
+        assert "RaceError" in _lines(report) and "was changed while ring_all_reduce" in _lines(
+            report
+        ), _lines(report)
 
 
 def test_a_gradient_whose_elements_disagree_by_different_factors_is_called_a_race():
@@ -256,12 +273,21 @@ class BucketDDP(torch.nn.Module):
 
     def finish_gradient_synchronization(self):
         for b, flat, handle in self.pending:
+            if self.mistake == "divide_before_wait":
+                flat /= ok.world_size()  # races with the ring still reading and writing it
+                handle.wait()
+                self._copy_back(b, flat)
+                continue
+            if self.mistake == "copy_back_before_wait":
+                self._copy_back(b, flat / ok.world_size())  # reads it while in flight
+                handle.wait()
+                continue
             handle.wait()
             if b is None:
                 p, flat = flat
                 p.grad.copy_(flat.view_as(p.grad) / ok.world_size())
                 continue
-            flat /= ok.world_size()
+            flat /= 2 if self.mistake == "divide_by_two" else ok.world_size()
             offset = 0
             for i in self.buckets[b]:
                 g = self.order[i].grad
@@ -273,6 +299,13 @@ class BucketDDP(torch.nn.Module):
         if self.mistake != "no_reset":
             self.missing = [len(b) for b in self.buckets]
             self.next = 0
+
+    def _copy_back(self, b, flat):
+        offset = 0
+        for i in self.buckets[b]:
+            g = self.order[i].grad
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
 
 def strict_buckets(sizes, bucket_mb):
@@ -332,3 +365,23 @@ def test_bucketed_ddp_state_never_reset_is_named():
 def test_bucketed_ddp_wrong_buckets_point_to_assign_buckets():
     report = ok.grading.check_bucketed_ddp(_bucket_variant("strict_buckets"))
     assert "check assign_buckets first" in _lines(report)
+
+
+def test_bucketed_ddp_a_hard_coded_two_is_named_on_three_ranks():
+    report = ok.grading.check_bucketed_ddp(_bucket_variant("divide_by_two"))
+    assert not report.all_passed
+    assert "divide by 2 instead of by ok.world_size()" in _lines(report)
+
+
+def test_bucketed_ddp_dividing_the_bucket_before_its_wait_fails_every_time_as_a_race():
+    for _ in range(3):
+        report = ok.grading.check_bucketed_ddp(_bucket_variant("divide_before_wait"))
+        assert not report.all_passed
+        assert "was changed while ring_all_reduce" in _lines(report), _lines(report)
+
+
+def test_bucketed_ddp_reading_the_bucket_before_its_wait_fails_every_time_as_nan():
+    for _ in range(3):
+        report = ok.grading.check_bucketed_ddp(_bucket_variant("copy_back_before_wait"))
+        assert not report.all_passed
+        assert "It is NaN" in _lines(report) and "before its handle's wait()" in _lines(report)

@@ -96,6 +96,20 @@ def _all_blocked(text: str) -> str:
     return ""
 
 
+def worst_element(diff, tol: float = 1e-5) -> int | None:
+    """The flat index where ``diff`` (an absolute difference) is largest, when it exceeds
+    ``tol`` — a NaN counts as the largest (``diff.max() > tol`` is False for NaN, and a
+    tensor read before its wait() holds NaN under the read guard); None when all is close."""
+    flat = diff.reshape(-1)
+    if flat.numel() == 0:
+        return None
+    nan = flat.isnan()
+    if nan.any():
+        return int(nan.nonzero()[0])
+    i = int(flat.argmax())
+    return i if flat[i] > tol else None
+
+
 class Unfinished(Exception):
     """Raised by :func:`call_or_report` when the exercise still raises NotImplementedError."""
 

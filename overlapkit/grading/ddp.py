@@ -1,10 +1,11 @@
 """Checks for labs 06 and 07: a hook-driven data-parallel wrapper, and a bucketer.
 
-A wrapper is checked by training with it: 5 SGD steps (with momentum) on 2
-ranks, each on its own slice of the batch, against one process training on the
-whole batch. A mismatch is explained in the exercise's terms (summed instead of
-averaged, never all-reduced, divided twice, ...); then *how* it communicated is
-checked: async operations launched during backward (overlap), all of them waited,
+A wrapper is checked by training with it: 5 SGD steps (with momentum) on 3
+ranks (so that a hard-coded 2 shows), each on its own slice of the batch,
+against one process training on the whole batch. A mismatch is explained in
+the exercise's terms (summed instead of averaged, never all-reduced, divided
+twice, read before wait(): NaN under the read guard, ...); then *how* it
+communicated is checked: async operations launched during backward (overlap), all of them waited,
 and — for the bucketed one — one AllReduce per bucket, launched in bucket order.
 """
 
@@ -15,7 +16,7 @@ import torch
 from .. import handles
 from ..costmodel import ddp_buckets
 from .collectives import CHECK_LINK
-from .common import Unfinished, call_or_report, run_or_report
+from .common import Unfinished, call_or_report, run_or_report, worst_element
 from .report import Report
 
 STEPS = 5
@@ -203,9 +204,8 @@ def _compare(report: Report, results, world: int, expect=None) -> bool:
                         "each parameter's .grad"
                     )
                     return False
-                diff = (g - right).abs()
-                if diff.max() > 1e-5:
-                    i = int(diff.argmax())
+                i = worst_element((g - right).abs())
+                if i is not None:
                     report.fail(
                         f"after step {step + 1}'s finish_gradient_synchronization(), rank "
                         f"{rank}'s {name}.grad[{i}] is {g.reshape(-1)[i].item():.6g}; the "
@@ -217,9 +217,8 @@ def _compare(report: Report, results, world: int, expect=None) -> bool:
                     )
                     return False
             for name in want:  # frozen ones too: they must not move
-                diff = (got[name] - want[name]).abs()
-                if diff.max() > 1e-5:
-                    i = int(diff.argmax())
+                i = worst_element((got[name] - want[name]).abs())
+                if i is not None:
                     report.fail(
                         f"after step {step + 1}, rank {rank}'s {name}[{i}] is "
                         f"{got[name].reshape(-1)[i].item():.6g}; one process training on the "
@@ -262,18 +261,27 @@ def _hint(results, step, rank, name, world, i, expect=None) -> str:
             "missing per bucket, the next bucket to launch, the pending list — at the end of "
             "finish_gradient_synchronization(), so that the next step launches again."
         )
-    if len(results) > 1:
-        other = results[1 - rank][0]["trace"][step][3][name]
+    if torch.isnan(g).any():
+        return (
+            " It is NaN: the check fills a tensor with NaN while its AllReduce is in flight "
+            "(and writes the result back at wait()), so NaN here means the gradient was read — "
+            "copied, divided, or handed on — before its handle's wait() returned. Read it only "
+            "after wait()."
+        )
+    other_rank = (rank + 1) % len(results)
+    if other_rank != rank:
+        other = results[other_rank][0]["trace"][step][3][name]
         if other is not None and (other - g).abs().max() > 1e-5:
+            pair = f"Rank {rank} and rank {other_rank}"
             waited = not any(r["unwaited"] for r, _ in results)
             if waited and res.get("buckets") is not None:
                 return (
-                    " Rank 0 and rank 1 hold different gradients: each kept its own, although "
+                    f" {pair} hold different gradients: each kept its own, although "
                     "every AllReduce was waited. Did the reduced flat tensor reach .grad? Copy "
                     "each slice of it back into its parameter's .grad (torch.cat made a copy)."
                 )
             return (
-                " Rank 0 and rank 1 hold different gradients: each kept its own — the "
+                f" {pair} hold different gradients: each kept its own — the "
                 "gradients were not all-reduced (or a copy of them was), or their AllReduce "
                 "had not finished (no wait()) when they were read."
             )
@@ -296,6 +304,11 @@ def _hint(results, step, rank, name, world, i, expect=None) -> str:
             f" Its elements are off by different factors, from {lo:.3g}× to {hi:.3g}× the "
             "average: a sign of a gradient read or changed (divided?) while its AllReduce was "
             "still running. Touch a gradient only after its handle's wait()."
+        )
+    if world > 2 and abs(ratio - world / 2) < 0.05 * world / 2:
+        return (
+            f" Yours is {ratio:.3g}× the average, N/2 with N = {world}: did you divide by 2 "
+            "instead of by ok.world_size()? The check runs on 3 ranks so that a constant shows."
         )
     if abs(ratio - world) < 0.05 * world:
         return (
@@ -394,7 +407,11 @@ def _check_communication(report: Report, results, expect: list[int] | None) -> N
         )
 
 
-def check_hook_ddp(wrapper_cls, world_size: int = 2, timeout: float = TIMEOUT_S) -> Report:
+#: the checks' ranks: 3, so that a hard-coded 2 (the world size of most examples) shows
+WORLD = 3
+
+
+def check_hook_ddp(wrapper_cls, world_size: int = WORLD, timeout: float = TIMEOUT_S) -> Report:
     """Check a hook-driven data-parallel wrapper ``wrapper_cls(module)`` (lab 06).
 
     It must broadcast rank 0's weights, average gradients with one async AllReduce per
@@ -404,7 +421,7 @@ def check_hook_ddp(wrapper_cls, world_size: int = 2, timeout: float = TIMEOUT_S)
     report = Report("hook_ddp")
     results = run_or_report(report, f"{wrapper_cls.__name__} on {world_size} ranks", _train,
                             wrapper_cls, (), world_size=world_size, timeout=timeout,
-                            link=CHECK_LINK)  # fmt: skip
+                            link=CHECK_LINK, explain=_explain_race)  # fmt: skip
     if results is None:
         _loop_hint(report)
         return report
@@ -416,6 +433,19 @@ def check_hook_ddp(wrapper_cls, world_size: int = 2, timeout: float = TIMEOUT_S)
     elif not builtin:
         _report_unwaited(report, results)
     return report
+
+
+def _explain_race(text: str) -> str:
+    """A RaceError in the learner's wrapper, in the exercise's terms."""
+    if "RaceError" not in text:
+        return ""
+    return (
+        ". In this exercise that is a gradient (or a flat bucket) divided, copied or "
+        "accumulated into before its handle's wait() returned. If your code touches it only "
+        "after wait(), look for an older handle: a pending list not cleared at the end of "
+        "finish_gradient_synchronization() makes the next step wait and divide last step's "
+        "entries while this step's AllReduces on the same gradients are still running"
+    )
 
 
 def _loop_hint(report: Report) -> None:
@@ -547,7 +577,7 @@ def _bucket_hint(got, want, sizes, mb) -> str:
 CHECK_BUCKET_MB = 400 / 2**20
 
 
-def check_bucketed_ddp(wrapper_cls, bucket_mb: float = CHECK_BUCKET_MB, world_size: int = 2,
+def check_bucketed_ddp(wrapper_cls, bucket_mb: float = CHECK_BUCKET_MB, world_size: int = WORLD,
                        timeout: float = TIMEOUT_S) -> Report:  # fmt: skip
     """Check a bucketed wrapper ``wrapper_cls(module, bucket_mb)`` (lab 07): its buckets,
     the weights of 5 steps against one process, one async AllReduce per bucket launched
@@ -558,7 +588,8 @@ def check_bucketed_ddp(wrapper_cls, bucket_mb: float = CHECK_BUCKET_MB, world_si
     expect = [sum(order[i].numel() for i in b) for b in want]
     results = run_or_report(report, f"{wrapper_cls.__name__}(bucket_mb={bucket_mb:.3g}) on "
                             f"{world_size} ranks", _train, wrapper_cls, (bucket_mb,),
-                            world_size=world_size, timeout=timeout, link=CHECK_LINK)  # fmt: skip
+                            world_size=world_size, timeout=timeout, link=CHECK_LINK,
+                            explain=_explain_race)  # fmt: skip
     if results is None:
         _loop_hint(report)
         return report

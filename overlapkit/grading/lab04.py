@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from ..sharded import flatten_padded, unflatten_into
-from .common import run_or_report
+from .common import run_or_report, worst_element
 from .report import Report
 
 STEPS = 10
@@ -99,9 +99,8 @@ def check_zero1_step(zero1_step, world_size: int = 3, timeout: float = 60.0) -> 
     for rank, ((trace, _, _, shard_numel, initial), _) in enumerate(results):
         before = initial
         for step, (got, want) in enumerate(trace, start=1):
-            diff = (got - want).abs()
-            if diff.max() > 1e-5:
-                i = int(diff.argmax())
+            i = worst_element((got - want).abs())
+            if i is not None:
                 owner = i // shard_numel
                 part = slice(owner * shard_numel, (owner + 1) * shard_numel)
                 hint = _update_hint(before[part], got[part], want[part], world_size)
