@@ -263,9 +263,12 @@ def _run(fn_bytes: bytes, timed: bool, compute_s: float):
         {
             "async": c.async_op,
             "issued": rel(c.issued),
-            "waits": [rel(t) for t in c.waits or c.polls[:1] * (c.polled_done is not None)],
-            "waited": [rel(t) for t in c.waited or [c.polled_done] * (c.polled_done is not None)],
-            "polled": bool(c.polls) and not c.waits,
+            "waits": sorted(rel(t) for t in c.waits + c.polls[:1] * (c.polled_done is not None)),
+            "waited": sorted(
+                rel(t) for t in c.waited + [c.polled_done] * (c.polled_done is not None)
+            ),
+            # the first thing that waited for the op was a loop on is_completed()
+            "polled": bool(c.polls) and (not c.waits or c.polls[0] < c.waits[0]),
             "handle": c.handle is not None,
             "site": getattr(c.handle, "site", "?"),
             "running_at_return": c.handle is not None and not type(c.handle).is_completed(c.handle),
@@ -542,7 +545,7 @@ def _timeline_case(report: Report, results) -> None:
             )
             return
         waits = call["waits"]
-        if waits and not call["polled"] and any(a < waits[0] < b for a, b in comp):
+        if waits and any(a < waits[0] < b for a, b in comp):
             report.fail(
                 f"rank {rank}: you called wait() inside `with timeline.span('compute'):` "
                 f"(at {_ms(waits[0])}, in the compute span {_ms(s_start)}–{_ms(s_end)}): the "
