@@ -167,6 +167,35 @@ def _sgd_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
 
 
+class _SGD:
+    """Plain SGD with the interface of ``torch.optim.SGD`` that a training step uses
+    (``zero_grad``, ``step``, ``param_groups``, ``state``). Not torch's own: constructing
+    that imports torch._dynamo, seconds in every fresh rank of the check."""
+
+    def __init__(self, params, lr: float):
+        self.param_groups = [{"params": list(params), "lr": lr}]
+        self.state: dict = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.param_groups[0]["params"]:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        group = self.param_groups[0]
+        for p in group["params"]:
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-group["lr"])
+        return loss
+
+
 def _batch(rank: int, step: int):
     gen = torch.Generator().manual_seed(1000 * rank + step)
     return torch.randn(6, 3, generator=gen), torch.randn(6, 1, generator=gen)
@@ -243,7 +272,7 @@ def _run_local_sgd(local_sgd_step):
 
     me, world = ok.rank(), ok.world_size()
     model = _sgd_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizer = _SGD(model.parameters(), lr=LR)
     after, events = [], []
     with _recorded_reductions(ok, model, optimizer) as called, builtin_collectives() as builtin:
         for step in range(1, STEPS + 1):
