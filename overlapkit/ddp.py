@@ -581,13 +581,14 @@ WRAPPERS = {"naive": NaiveDDP, "overlap": OverlapDDP, "bucketed": BucketedDDP}
 
 def measure_step(wrapper: str = "bucketed", bucket_mb: float | None = 25, all_reduce="ring",
                  layers: int = 8, width: int = 512, batch: int = 64, steps: int = 5,
-                 warmup: int = 2) -> dict:  # fmt: skip
+                 warmup: int = 2, per_step: bool = False) -> dict:  # fmt: skip
     """Time data-parallel SGD steps of a stack of ``layers`` Linear(width, width) layers
     with one of the kit's wrappers (``"naive"``, ``"overlap"``, ``"bucketed"`` with
     ``bucket_mb``); run on every rank. Returns the medians of ``step_ms`` (forward,
     backward, finishing the synchronisation, the optimizer step; the slowest rank's),
     ``comm_ms`` (time some AllReduce was in flight) and ``hidden`` (share of that under
-    backward), from the wrapper's timeline."""
+    backward), from the wrapper's timeline; with ``per_step``, also every step's three
+    values (``"per_step"``: a dict of lists), for a judge that needs their spread."""
     from .bench.progress import slowest  # noqa: PLC0415
     from .timeline import COMM, Timeline  # noqa: PLC0415
 
@@ -616,5 +617,9 @@ def measure_step(wrapper: str = "bucketed", bucket_mb: float | None = 25, all_re
             times.append(step)
             comm.append(tl.busy(COMM))
             hidden.append(tl.hidden_fraction() or 0.0)
-    return {"step_ms": statistics.median(times) * 1e3, "comm_ms": statistics.median(comm) * 1e3,
-            "hidden": statistics.median(hidden)}  # fmt: skip
+    out = {"step_ms": statistics.median(times) * 1e3, "comm_ms": statistics.median(comm) * 1e3,
+           "hidden": statistics.median(hidden)}  # fmt: skip
+    if per_step:
+        out["per_step"] = {"step_ms": [t * 1e3 for t in times], "comm_ms": [c * 1e3 for c in comm],
+                           "hidden": hidden}  # fmt: skip
+    return out
