@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 import weakref
 
 import torch
@@ -146,6 +147,9 @@ class Guard:
         self.error: str | None = None
         self._settled = False
         self._settling = threading.Lock()
+        #: seconds the private copies took to make and write back (a timing check allows
+        #: for them: they are the guard's, not the operation's)
+        self.copy_s = self.copy_back_s = 0.0
         with _lock:
             for t in self._watched:
                 entry = _entry(t)
@@ -155,11 +159,13 @@ class Guard:
                         f"was not waited yet: wait() for it before starting {what} at {site}"
                     )
         if self.private:
+            began = time.perf_counter()
             with torch.no_grad():
                 self.working = [t.detach().clone() for t in self.tensors]
                 for t, written in zip(self.tensors, self.writes, strict=True):
                     if written:
                         poison(t)
+            self.copy_s = time.perf_counter() - began
         else:
             self.working = self.tensors
         with _lock:
@@ -215,11 +221,13 @@ class Guard:
                             self._changed(t, entry[0])
                         _release(t)
                 if self.private:
+                    began = time.perf_counter()
                     with torch.no_grad():
                         for t, mine, written in zip(self.tensors, self.working, self.writes,
                                                     strict=True):  # fmt: skip
                             if written:
                                 t.copy_(mine)
+                    self.copy_back_s = time.perf_counter() - began
                 self._settled = True
         if self.error is not None:
             raise RaceError(self.error)

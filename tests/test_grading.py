@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed import all_reduce as early_bound_all_reduce
 
 import overlapkit as ok
 from overlapkit.grading import traffic
@@ -408,3 +409,13 @@ def test_every_rank_waiting_in_a_receive_is_named_with_its_line():
     ((passed, message),) = report.cases
     assert "ok.p2p.irecv(into, left).wait()" in message
     assert "\nEvery rank waits in a receive, and no rank has posted the send" in message
+
+
+def all_reduce_bound_by_name(tensor):
+    early_bound_all_reduce(tensor)  # `from torch.distributed import all_reduce`, before the check
+
+
+def test_a_built_in_imported_by_name_before_the_check_is_still_seen():
+    report = ok.grading.check_all_reduce(all_reduce_bound_by_name)
+    assert not report.all_passed
+    assert "called all_reduce" in " ".join(m for _, m in report.cases)

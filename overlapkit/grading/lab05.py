@@ -34,7 +34,8 @@ LINK = Link(latency_us=100, bandwidth_gbps=0.25)
 NUMEL = 1 << 20
 #: the check's compute() runs this long, longer than the AllReduce, so all of it can hide
 COMPUTE_S = 0.04
-#: the share of the AllReduce that must run under compute() (a right step hides ~100%)
+#: the share of the shorter of AllReduce and compute() that must run alongside the other
+#: (a right step: all of it)
 MIN_HIDDEN = 0.5
 WORLD = 2
 TIMEOUT_S = 30.0
@@ -281,6 +282,10 @@ def _run(fn_bytes: bytes, timed: bool, compute_s: float):
                 c.handle.wait(timeout=TIMEOUT_S / 2)
     for c, seen in zip(probe.calls, calls, strict=True):
         seen["done"], seen["began"] = rel(c.done), rel(c.began)
+        # the checks' read guard copies the tensor at issue and back at the end: time that
+        # belongs to the guard, allowed for when the learner's spans are compared
+        guard = getattr(c.handle, "_guard", None)
+        seen["guard_s"] = (getattr(guard, "copy_s", 0.0), getattr(guard, "copy_back_s", 0.0))
     unwaited = handles.take_unwaited()  # reported by the check, not as a warning
 
     return {
@@ -458,8 +463,12 @@ def _overlap_case(report: Report, results, name: str) -> None:
         if done is None:
             report.fail(f"overlap not measured: rank {rank}'s AllReduce never ran to its end")
             return
-        comm = done - issued
-        hidden = max(0.0, min(done, c_end) - max(issued, c_start)) / comm if comm > 0 else 0.0
+        # the share of the shorter of the two that ran alongside the other: on a loaded
+        # machine an honest AllReduce can outlast compute() several times over, and is
+        # still in flight all the while compute() runs
+        shorter = min(done - issued, c_end - c_start)
+        both = max(0.0, min(done, c_end) - max(issued, c_start))
+        hidden = both / shorter if shorter > 0 else 0.0
         where = (
             f" (rank {rank}: AllReduce {_ms(issued)}–{_ms(done)}, compute() "
             f"{_ms(c_start)}–{_ms(c_end)} after the step began)"
@@ -500,8 +509,8 @@ def _overlap_case(report: Report, results, name: str) -> None:
             return
         if hidden < MIN_HIDDEN:
             report.fail(
-                f"only {hidden:.0%} of the AllReduce ran while compute() did (a right step "
-                f"hides nearly all of it here){where}"
+                f"only {hidden:.0%} of the AllReduce and compute() ran at the same time (in a "
+                f"right step one of them runs entirely inside the other){where}"
             )
             return
     report.ok("on every rank the AllReduce was in flight while compute() ran")
@@ -557,14 +566,15 @@ def _timeline_case(report: Report, results) -> None:
         m_start, m_end = min(a for a, _ in comm), max(b for _, b in comm)
         # the kit's own spans (timeline=) begin when the op began on its worker (set
         # whenever "done" is: both come from the op's steps)
-        if abs(m_start - issued) > tol and abs(m_start - call["began"]) > tol:
+        copy_s, copy_back_s = call["guard_s"]
+        if abs(m_start - issued) > tol + copy_s and abs(m_start - call["began"]) > tol:
             report.fail(
                 f"rank {rank}: your comm span starts at {_ms(m_start)}, but the AllReduce "
                 f"was started at {_ms(issued)}: call timeline.track(...) on the handle as "
                 "soon as ok.ring_all_reduce returns it"
             )
             return
-        if abs(m_end - done) > tol:
+        if not -tol <= m_end - done <= tol + copy_back_s:
             returned = call["waited"][-1] if call["waited"] else None
             at_wait = returned is not None and abs(m_end - returned) <= tol
             hint = (

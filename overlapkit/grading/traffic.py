@@ -203,11 +203,14 @@ class _TimedWait:
         return getattr(self._handle, name)
 
 
-def _recorded(fn_bytes: bytes, args, kwargs):
+def _recorded(fn_bytes: bytes, args_bytes: bytes):
     # checks run with the read guard on: a tensor read before its operation's wait()
     # holds NaN every time, so a race fails the check every run, not one run in ten
     with recording() as traffic, debug_races():
-        fn = cloudpickle.loads(fn_bytes)  # after patching: see the module docstring
+        # loaded after patching, the function and its arguments alike (a check's runner
+        # gets the learner's function as an argument): see the module docstring
+        fn = cloudpickle.loads(fn_bytes)
+        args, kwargs = cloudpickle.loads(args_bytes)
         value = fn(*args, **kwargs)
     return value, traffic
 
@@ -226,8 +229,7 @@ def run_recorded(fn, *args, world_size: int, timeout: float, link=None, **kwargs
     return launch(
         _recorded,
         dumps_keeping_filenames(fn),
-        args,
-        kwargs,
+        dumps_keeping_filenames((args, kwargs)),
         world_size=world_size,
         timeout=timeout,
         quiet=True,
