@@ -5,7 +5,8 @@ The judge re-measures both configurations the way the lab's ``measure()`` does (
 guard), in rounds that alternate before and after, after warming the launch up, and keeps
 every step. A reported number is one such measurement; it agrees where one measurement
 falls on this machine now: a step time no faster than the fastest step re-measured, less
-15% (a busy machine only slows steps down) and no slower than the slowest by more than
+25% (a busy machine only slows steps down; the learner may have measured in a quieter
+spell) and no slower than the slowest by more than
 the steps' own spread; a hidden share within 0.1 of the steps' range. So the tolerance
 grows on a loaded machine and shrinks on a quiet one. A verdict near its line is measured
 again (more launches) before it is given. A table that disagrees anywhere earns nothing:
@@ -32,7 +33,7 @@ TARGET_HIDDEN = 0.5
 STEPS = 5  # per measurement, as the lab's measure() takes them
 ROUNDS = 4  # interleaved rounds per launch: 20 steps of each configuration
 MORE_LAUNCHES = 2  # at most this many more launches while a verdict lies near its line
-STEP_FLOOR = 0.15  # a step's own jitter below the fastest re-measured (relative)
+STEP_FLOOR = 0.25  # below the fastest step re-measured: jitter, and a quieter spell then
 HIDDEN_FLOOR = 0.1  # a hidden share's tolerance around the steps' range (absolute)
 SLOWER = 1.1  # after/before step ratio above which the tuned step is slower (noise ~10%)
 
@@ -105,9 +106,12 @@ class _Measured:
     def median_hidden(self, side: int) -> float:
         return statistics.median(row[side]["hidden"] for row in self.rounds)
 
+    def ratios(self) -> list[float]:
+        """after/before step time, each round's own pair."""
+        return [row[1]["step_ms"] / row[0]["step_ms"] for row in self.rounds]
+
     def ratio(self) -> float:
-        """after/before step time: the median over rounds of each round's own pair."""
-        return statistics.median(row[1]["step_ms"] / row[0]["step_ms"] for row in self.rounds)
+        return statistics.median(self.ratios())
 
     def undecided(self, table: dict, target: float) -> bool:
         bands = [(self.steps(i), self.hidden(i)) for i in (0, 1)]
@@ -117,9 +121,18 @@ class _Measured:
                 b.near(row["step_ms"]) or h.near(row["hidden"])
                 for (b, h), row in zip(bands, rows, strict=True)
             )
-            or abs(self.median_hidden(1) - target) < HIDDEN_FLOOR
-            or abs(self.ratio() - SLOWER) < 0.15
+            or _straddles([row[1]["hidden"] for row in self.rounds], target, HIDDEN_FLOOR)
+            or _straddles(self.ratios(), SLOWER, 0.15)
         )
+
+
+def _straddles(values: list[float], line: float, near: float) -> bool:
+    """Whether a verdict on the median of ``values`` against ``line`` is still open: the
+    median within ``near`` of it, or the middle half of the values on both sides of it."""
+    if abs(statistics.median(values) - line) < near:
+        return True
+    q1, _, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    return q1 <= line <= q3
 
 
 def _config_problem(tuned) -> str | None:
