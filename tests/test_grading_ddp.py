@@ -36,6 +36,8 @@ class HookDDP(torch.nn.Module):
         handle = ok.ring_all_reduce(p.grad, async_op=not sync)
         if self.mistake == "divide_before_wait":
             p.grad /= ok.world_size()  # races with the ring still reading and writing it
+        if self.mistake == "wait_in_hook":
+            handle.wait()
         self.pending.append((p, handle))
 
     def finish_gradient_synchronization(self):
@@ -44,6 +46,13 @@ class HookDDP(torch.nn.Module):
                 if p.requires_grad:
                     ok.ring_all_reduce(p.grad)
                     p.grad /= ok.world_size()
+            return
+        if self.mistake == "every_parameter":
+            for _, handle in self.pending:
+                handle.wait()
+            for p in self.module.parameters():  # the frozen layer's grad is None
+                p.grad /= ok.world_size()
+            self.pending.clear()
             return
         for p, handle in self.pending:
             if self.mistake != "no_wait" and handle is not None:
@@ -100,6 +109,16 @@ def test_hook_ddp_builtin_all_reduce_is_named_not_mistaken_for_naive():
     report = ok.grading.check_hook_ddp(_variant("builtin"))
     assert "called torch.distributed.all_reduce" in _lines(report)
     assert "NaiveDDP" not in _lines(report)
+
+
+def test_hook_ddp_waiting_inside_the_hook_is_named_not_told_to_pass_async_op():
+    text = _lines(ok.grading.check_hook_ddp(_variant("wait_in_hook")))
+    assert "handle.wait() inside the hook?" in text and "Pass async_op=True" not in text
+
+
+def test_hook_ddp_dividing_the_frozen_layers_missing_grad_is_explained():
+    text = _lines(ok.grading.check_hook_ddp(_variant("every_parameter")))
+    assert "NoneType" in text and "frozen layer" in text
 
 
 def test_hook_ddp_a_hard_coded_two_is_named_on_three_ranks():

@@ -20,17 +20,22 @@ from overlapkit.grading.report import Report
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 
 
+def _round_trip(buf):
+    """One message from rank 0 to rank 1 and back."""
+    if dist.get_rank() == 0:
+        dist.send(buf, 1)
+        dist.recv(buf, 1)
+    else:
+        dist.recv(buf, 0)
+        dist.send(buf, 0)
+
+
 def _one_way_samples(nbytes, iters, dtype=torch.uint8):
     buf = torch.empty(nbytes, dtype=dtype)
-    me, samples = dist.get_rank(), []
+    samples = []
     for _ in range(iters + 1):
         start = time.perf_counter()
-        if me == 0:
-            dist.send(buf, 1)
-            dist.recv(buf, 1)
-        else:
-            dist.recv(buf, 0)
-            dist.send(buf, 0)
+        _round_trip(buf)
         samples.append((time.perf_counter() - start) / 2)
     return samples[1:]
 
@@ -69,15 +74,9 @@ def mean_one_way(nbytes, iters):
 
 def whole_loop_timed_once(nbytes, iters):
     buf = torch.empty(nbytes, dtype=torch.uint8)
-    me = dist.get_rank()
     start = time.perf_counter()
     for _ in range(iters):
-        if me == 0:
-            dist.send(buf, 1)
-            dist.recv(buf, 1)
-        else:
-            dist.recv(buf, 0)
-            dist.send(buf, 0)
+        _round_trip(buf)
     return (time.perf_counter() - start) / iters / 2
 
 

@@ -351,6 +351,14 @@ def _check_communication(report: Report, results, expect: list[int] | None) -> N
             "one from the gradient hook, with async_op=True"
         )
         return
+    if max(e["pending"] for e in events) == 0 and all(a for e in events for _, a in e["calls"]):
+        report.fail(
+            "every AllReduce was started with async_op=True, but all had finished when backward "
+            "returned: something waits for each one during backward (handle.wait() inside the "
+            "hook?), so backward stops at every gradient until its AllReduce is done. Keep the "
+            "handles and wait() for them in finish_gradient_synchronization()"
+        )
+        return
     if max(e["pending"] for e in events) == 0:
         report.fail(
             "the AllReduces issued during backward had all finished when backward returned: "
@@ -436,7 +444,14 @@ def check_hook_ddp(wrapper_cls, world_size: int = WORLD, timeout: float = TIMEOU
 
 
 def _explain_race(text: str) -> str:
-    """A RaceError in the learner's wrapper, in the exercise's terms."""
+    """A RaceError (or a gradient that is None) in the learner's wrapper, in the
+    exercise's terms."""
+    if "NoneType" in text and "grad" in text:
+        return (
+            ". A parameter's .grad is None: the test model has a frozen layer "
+            "(requires_grad=False), which gets no gradient and no hook. Finish only the "
+            "parameters whose AllReduce your hooks started (those you kept in self.pending)"
+        )
     if "RaceError" not in text:
         return ""
     return (

@@ -34,9 +34,6 @@ LINK = Link(latency_us=100, bandwidth_gbps=0.25)
 NUMEL = 1 << 20
 #: the check's compute() runs this long, longer than the AllReduce, so all of it can hide
 COMPUTE_S = 0.04
-#: the share of the shorter of AllReduce and compute() that must run alongside the other
-#: (a right step: all of it)
-MIN_HIDDEN = 0.5
 WORLD = 2
 TIMEOUT_S = 30.0
 
@@ -78,6 +75,7 @@ class _Call:
 
     def __init__(self, async_op: bool):
         self.issued = _now()
+        self.returned = self.issued
         self.async_op = async_op
         self.steps: list[tuple[float, float]] = []  # the kit's RS/AG step spans
         self.waits: list[float] = []  # when wait() was called
@@ -132,6 +130,7 @@ class _Probe:
                 recorder = _Recorder(call, theirs)
                 kwargs["timeline"] = recorder
             result = original(tensor, *args, **kwargs)
+            call.returned = _now()  # on a loaded machine, well after the issue began
             if result is not None:
                 call.handle = result
                 _watch_wait(result, call)
@@ -264,6 +263,7 @@ def _run(fn_bytes: bytes, timed: bool, compute_s: float):
         {
             "async": c.async_op,
             "issued": rel(c.issued),
+            "returned": rel(c.returned),
             "waits": sorted(rel(t) for t in c.waits + c.polls[:1] * (c.polled_done is not None)),
             "waited": sorted(
                 rel(t) for t in c.waited + [c.polled_done] * (c.polled_done is not None)
@@ -412,8 +412,8 @@ def _values_case(report: Report, results, name: str) -> None:
                 ),
                 "twice": (f" That is {WORLD}× the sum: the gradient was all-reduced twice."),
                 "avg": (
-                    f" That is the sum divided by {WORLD}: you averaged (op='avg'); this step "
-                    "keeps the sum (the default op)."
+                    f" That is the sum divided by {WORLD}: you averaged (op='avg', or a "
+                    "division by N); this step keeps the sum (the default op)."
                 ),
             }.get(kind, "")
             report.fail(
@@ -463,12 +463,6 @@ def _overlap_case(report: Report, results, name: str) -> None:
         if done is None:
             report.fail(f"overlap not measured: rank {rank}'s AllReduce never ran to its end")
             return
-        # the share of the shorter of the two that ran alongside the other: on a loaded
-        # machine an honest AllReduce can outlast compute() several times over, and is
-        # still in flight all the while compute() runs
-        shorter = min(done - issued, c_end - c_start)
-        both = max(0.0, min(done, c_end) - max(issued, c_start))
-        hidden = both / shorter if shorter > 0 else 0.0
         where = (
             f" (rank {rank}: AllReduce {_ms(issued)}–{_ms(done)}, compute() "
             f"{_ms(c_start)}–{_ms(c_end)} after the step began)"
@@ -501,18 +495,11 @@ def _overlap_case(report: Report, results, name: str) -> None:
                 "True), then compute(), then wait()"
             )
             return
-        if done <= c_start:
-            report.fail(
-                "no overlap: the AllReduce had already ended before compute() began: "
-                f"something waited for it first (a loop on is_completed()?){where}"
-            )
-            return
-        if hidden < MIN_HIDDEN:
-            report.fail(
-                f"only {hidden:.0%} of the AllReduce and compute() ran at the same time (in a "
-                f"right step one of them runs entirely inside the other){where}"
-            )
-            return
+        # No verdict from the share of time the two ran together: every way to serialise
+        # them (a blocking call, a wait or a poll before compute(), the issue after it) is
+        # named above from the order of events, while on a loaded machine an honest step's
+        # AllReduce may end before its compute() begins (the issuing thread got the CPU
+        # late) or outlast it many times.
     report.ok("on every rank the AllReduce was in flight while compute() ran")
 
 
@@ -567,7 +554,13 @@ def _timeline_case(report: Report, results) -> None:
         # the kit's own spans (timeline=) begin when the op began on its worker (set
         # whenever "done" is: both come from the op's steps)
         copy_s, copy_back_s = call["guard_s"]
-        if abs(m_start - issued) > tol + copy_s and abs(m_start - call["began"]) > tol:
+        # the learner tracks the handle once the call has returned: on a loaded machine
+        # (and with the guard's copies) that is later than the issue began
+        returned = call["returned"]
+        if (
+            not issued - tol <= m_start <= returned + tol + copy_s
+            and abs(m_start - call["began"]) > tol
+        ):
             report.fail(
                 f"rank {rank}: your comm span starts at {_ms(m_start)}, but the AllReduce "
                 f"was started at {_ms(issued)}: call timeline.track(...) on the handle as "

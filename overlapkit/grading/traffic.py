@@ -84,6 +84,7 @@ def _peer(args, kwargs, key) -> int:
 
 
 _kit_call = threading.local()  # set while an ok.p2p call runs: its inner dist calls are not counted
+_timing = threading.local()  # set while a timed point-to-point call runs
 
 
 @contextlib.contextmanager
@@ -110,11 +111,18 @@ def recording(kit_collectives_are_builtins: bool = True):
             traffic.collectives.append(name)
 
     def timed(name, args, kwargs, call, kit=False):
-        """Call a point-to-point function, noting when its message started and ended."""
+        """Call a point-to-point function, noting when its message started and ended
+        (once: torch's send may call its own isend, which is the same message)."""
+        if getattr(_timing, "active", False):
+            return call()
         entry = [name, _peer(args, kwargs, "src" if "recv" in name else "dst"),
                  time.perf_counter(), None]  # fmt: skip
         traffic.timed.append(entry)
-        result = call()
+        _timing.active = True
+        try:
+            result = call()
+        finally:
+            _timing.active = False
         if name in ("send", "recv"):
             entry[3] = time.perf_counter()
         elif kit:  # the kit's own handle keeps its type (checks and p2p look at it)
