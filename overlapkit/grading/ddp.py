@@ -548,9 +548,12 @@ def _bucket_hint(got, want, sizes, mb) -> str:
         )
     if any(not b for b in got):
         k = next(k for k, b in enumerate(got) if not b)
+        first = (
+            " (it was closed at the very first gradient, before anything went in)" if k == 0 else ""
+        )
         return (
-            f" Bucket {k} is empty: a gradient larger than the limit starts a bucket of its "
-            "own — do not close the current bucket before it holds anything."
+            f" Bucket {k} is empty{first}: close the current bucket only when it holds "
+            "something — a gradient larger than the limit then starts a bucket of its own."
         )
     flat = [i for b in got for i in b]
     if sorted(flat) != list(range(len(sizes))):
