@@ -446,7 +446,7 @@ def check_hook_ddp(wrapper_cls, world_size: int = WORLD, timeout: float = TIMEOU
 def _explain_race(text: str) -> str:
     """A RaceError (or a gradient that is None) in the learner's wrapper, in the
     exercise's terms."""
-    if "NoneType" in text and "grad" in text:
+    if "TypeError" in text and "'NoneType'" in text:  # e.g. p.grad /= N on a frozen layer
         return (
             ". A parameter's .grad is None: the test model has a frozen layer "
             "(requires_grad=False), which gets no gradient and no hook. Finish only the "
