@@ -1,6 +1,8 @@
 """Lab 10's check: a table measured just before passes (also beside a CPU hog); a table
 that was not measured earns nothing; each mistake is named."""
 
+import itertools
+import statistics
 import subprocess
 import sys
 
@@ -118,71 +120,6 @@ def test_a_table_measured_just_before_passes_every_run_with_a_cpu_hog(cpu_hog):
     assert [passed for passed, *_ in results] == [True] * HOG_RUNS, results
 
 
-# The judgement itself, on made-up re-measurements (no timing involved).
-
-
-def _row(steps_ms, hidden):
-    return {"step_ms": sorted(steps_ms)[len(steps_ms) // 2], "steps_ms": list(steps_ms),
-            "hidden": sorted(hidden)[len(hidden) // 2], "steps_hidden": list(hidden)}  # fmt: skip
-
-
-QUIET = [  # four rounds: before (one 25 MB bucket) and after (1 MiB buckets)
-    [
-        _row([56, 57, 58, 60, 57], [0.0] * 5),
-        _row([48, 49, 50, 52, 49], [0.8, 0.85, 0.9, 0.85, 0.82]),
-    ]
-    for _ in range(4)
-]
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """Replace the re-measurement's launch by QUIET's rounds; count the launches."""
-    calls = []
-
-    def fake_launch(fn, configs, rounds, **kwargs):
-        calls.append(configs)
-        return [QUIET[:rounds], QUIET[:rounds]]
-
-    monkeypatch.setattr(lab10, "launch", fake_launch)
-    return calls
-
-
-def test_a_table_within_the_measured_spread_passes_after_one_launch(launches):
-    table = {"before": {"step_ms": 58.0, "hidden": 0.0}, "after": {"step_ms": 50.5, "hidden": 0.84}}
-    result = ok.grading.check_tuning(table, ONE_MIB)
-    assert result.all_passed, _text(result)
-    assert len(launches) == 1
-    assert launches[0] == [BASELINE, {"wrapper": "bucketed", "bucket_mb": 1.0}]
-
-
-def test_one_number_outside_the_spread_takes_the_guessable_lines_with_it(launches):
-    table = {"before": {"step_ms": 58.0, "hidden": 0.0}, "after": {"step_ms": 20.0, "hidden": 0.84}}
-    result = ok.grading.check_tuning(table, ONE_MIB)
-    assert result.score == 0 and result.total == 2, _text(result)
-    assert _text(result).startswith(
-        "after: step 20 ms reported, but one measurement of this configuration takes "
-        "36.0–65.0 ms here (20 steps re-measured took 48.0–52.0 ms)"
-    )
-    assert len(launches) == 1  # far from the line: no more measuring
-
-
-def test_a_number_near_the_line_is_measured_again_before_the_verdict(launches):
-    table = {"before": {"step_ms": 58.0, "hidden": 0.0}, "after": {"step_ms": 33.0, "hidden": 0.84}}
-    result = ok.grading.check_tuning(table, ONE_MIB)
-    assert result.score == 0, _text(result)
-    assert len(launches) == 1 + lab10.MORE_LAUNCHES
-    assert "(60 steps re-measured took 48.0–52.0 ms)" in _text(result)
-
-
-def test_a_tuned_step_slower_than_before_is_named(monkeypatch):
-    slow = [[r[0], _row([70, 72, 75, 71, 73], r[1]["steps_hidden"])] for r in QUIET]
-    monkeypatch.setattr(lab10, "launch", lambda fn, configs, rounds, **kw: [slow[:rounds]] * 2)
-    table = {"before": {"step_ms": 58.0, "hidden": 0.0}, "after": {"step_ms": 72.0, "hidden": 0.84}}
-    text = _text(ok.grading.check_tuning(table, ONE_MIB))
-    assert "after: the step got slower: 1.26× before's (median of 4 interleaved pairs)" in text
-
-
 @pytest.mark.parametrize(
     ("tuned", "report", "words"),
     [
@@ -207,28 +144,89 @@ def test_malformed_answers_are_refused_without_measuring(tuned, report, words):
     assert words in _text(ok.grading.check_tuning(report, tuned))
 
 
+# The judgement itself, on made-up re-measurements (no timing involved).
+
+QUIET_BEFORE = [([56, 57, 58, 60, 57], [0.0] * 5)]  # (steps in ms, hidden shares) per call
+QUIET_AFTER = [([48, 49, 50, 52, 49], [0.8, 0.85, 0.9, 0.85, 0.82])]
+QUIET_TABLE = {
+    "before": {"step_ms": 58.0, "hidden": 0.0},
+    "after": {"step_ms": 50.5, "hidden": 0.84},
+}
+
+
+def fake_measurements(monkeypatch, before, after):
+    """Run the check's re-measurement in this process with measure_step replaced: each
+    call of a configuration returns the next of its made-up measurements, cyclically.
+    Returns the sides measured, in order (warm-ups left out)."""
+    calls, made_up = [], {0: itertools.cycle(before), 1: itertools.cycle(after)}
+
+    def measure_step(wrapper, bucket_mb=25, batch=64, steps=5, per_step=False, **kwargs):
+        if steps == 1:  # the launch's warm-up
+            return {"step_ms": 0.0, "comm_ms": 0.0, "hidden": 0.0}
+        side = 0 if {"wrapper": wrapper, "bucket_mb": bucket_mb} == BASELINE else 1
+        calls.append(side)
+        steps_ms, hidden = next(made_up[side])
+        return {"step_ms": statistics.median(steps_ms), "hidden": statistics.median(hidden),
+                "comm_ms": 0.0, "per_step": {"step_ms": steps_ms, "hidden": hidden}}  # fmt: skip
+
+    monkeypatch.setattr(ok.ddp, "measure_step", measure_step)
+    monkeypatch.setattr(lab10, "launch", lambda fn, *args, **kwargs: [fn(*args)] * 2)
+    return calls
+
+
+def test_a_table_within_the_measured_spread_passes_after_one_batch(monkeypatch):
+    calls = fake_measurements(monkeypatch, QUIET_BEFORE, QUIET_AFTER)
+    result = ok.grading.check_tuning(QUIET_TABLE, ONE_MIB)
+    assert result.all_passed, _text(result)
+    assert calls == [0, 1, 1, 0] * 2  # 4 rounds, before and after in turn (ABBA)
+
+
+def test_one_number_outside_the_spread_takes_the_guessable_lines_with_it(monkeypatch):
+    calls = fake_measurements(monkeypatch, QUIET_BEFORE, QUIET_AFTER)
+    table = {**QUIET_TABLE, "after": {"step_ms": 20.0, "hidden": 0.84}}
+    result = ok.grading.check_tuning(table, ONE_MIB)
+    assert result.score == 0 and result.total == 2, _text(result)
+    assert _text(result).startswith(
+        "after: step 20 ms reported, but one measurement of this configuration takes "
+        "36.0–65.0 ms here (20 steps re-measured took 48.0–52.0 ms)"
+    )
+    assert len(calls) == 2 * lab10.ROUNDS  # far from the line: no more measuring
+
+
+def test_a_number_near_the_line_is_measured_again_before_the_verdict(monkeypatch):
+    calls = fake_measurements(monkeypatch, QUIET_BEFORE, QUIET_AFTER)
+    table = {**QUIET_TABLE, "after": {"step_ms": 33.0, "hidden": 0.84}}
+    result = ok.grading.check_tuning(table, ONE_MIB)
+    assert result.score == 0, _text(result)
+    assert len(calls) == 2 * lab10.ROUNDS * (1 + lab10.MORE)
+    assert "(60 steps re-measured took 48.0–52.0 ms)" in _text(result)
+
+
+def test_a_tuned_step_slower_than_before_is_named(monkeypatch):
+    fake_measurements(monkeypatch, QUIET_BEFORE, [([70, 72, 75, 71, 73], QUIET_AFTER[0][1])])
+    table = {**QUIET_TABLE, "after": {"step_ms": 72.0, "hidden": 0.84}}
+    text = _text(ok.grading.check_tuning(table, ONE_MIB))
+    assert "after: the step got slower: 1.26× before's (median of 4 interleaved pairs, ± 0.00)" in (
+        text
+    )
+
+
+def test_pairs_on_both_sides_of_slower_are_measured_again_and_the_doubt_counts_for_them(
+    monkeypatch,
+):
+    after = [([m] * 5, QUIET_AFTER[0][1]) for m in (46, 80, 50, 85)]  # 0.81–1.49× before
+    calls = fake_measurements(monkeypatch, [([57] * 5, [0.0] * 5)], after)
+    table = {**QUIET_TABLE, "after": {"step_ms": 60.0, "hidden": 0.84}}
+    result = ok.grading.check_tuning(table, ONE_MIB)
+    assert len(calls) == 2 * lab10.ROUNDS * (1 + lab10.MORE)
+    assert result.all_passed, _text(result)  # median 1.14, but not shown above 1.1
+    assert "the step takes 1.14× before's (median of 12 interleaved pairs, ± 0.30)" in _text(result)
+
+
 def test_a_measured_configuration_that_hides_nothing_misses_the_target(monkeypatch):
-    naive = [[r[0], _row([60, 61, 62, 63, 61], [0.0] * 5)] for r in QUIET]
-    monkeypatch.setattr(lab10, "launch", lambda fn, configs, rounds, **kw: [naive[:rounds]] * 2)
-    table = {"before": {"step_ms": 58.0, "hidden": 0.0}, "after": {"step_ms": 61.0, "hidden": 0.0}}
+    fake_measurements(monkeypatch, QUIET_BEFORE, [([60, 61, 62, 63, 61], [0.0] * 5)])
+    table = {**QUIET_TABLE, "after": {"step_ms": 61.0, "hidden": 0.0}}
     result = ok.grading.check_tuning(table, {"wrapper": "naive"})
     assert result.passed == 5, _text(result)  # the table agrees, and naive is no slower
     assert "after: only 0.00 of the communication hidden" in _text(result)
     assert "NaiveDDP communicates after backward: nothing can hide" in _text(result)
-
-
-def test_pairs_on_both_sides_of_slower_are_measured_again_before_the_verdict(monkeypatch):
-    calls = []
-    mixed = [
-        [r[0], _row([m] * 5, r[1]["steps_hidden"])]
-        for r, m in zip(QUIET, (46, 80, 50, 85), strict=True)
-    ]
-
-    def fake_launch(fn, configs, rounds, **kwargs):
-        calls.append(rounds)
-        return [mixed[:rounds]] * 2
-
-    monkeypatch.setattr(lab10, "launch", fake_launch)
-    table = {"before": {"step_ms": 58.0, "hidden": 0.0}, "after": {"step_ms": 60.0, "hidden": 0.84}}
-    ok.grading.check_tuning(table, ONE_MIB)
-    assert len(calls) == 1 + lab10.MORE_LAUNCHES  # ratios 0.81–1.49 around 1.1: not yet decided
