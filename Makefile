@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 LINTED := overlapkit tests solutions
 
-.PHONY: venv lab test lint demo bench labs record gpu-check browser-deps clean
+.PHONY: venv lab test soak lint demo bench labs record gpu-check browser-deps clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ lab: $(STAMP)
 ## (headless Chromium; skipped with the reason where it cannot be installed), nbval.
 test: $(STAMP) lint browser-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests --nbval --nbval-current-env --nbval-cell-timeout=300 solutions
+
+## The verdicts that must hold every time, repeated 20 times each (some beside a CPU hog):
+## longer than CI allows; the test suite repeats them fewer times.
+soak: $(STAMP)
+	OVERLAPKIT_SOAK=1 $(BIN)/python -m pytest $(PYTEST_ARGS) tests -k "every_time or every_run"
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)

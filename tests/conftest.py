@@ -68,3 +68,22 @@ def pytest_collection_modifyitems(config, items):
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+def soak_runs(in_ci: int, soak: int = 20) -> int:
+    """How often a verdict that must hold every time is repeated: ``soak`` times when
+    OVERLAPKIT_SOAK=1 (``make soak``: the 20-of-20 runs an issue asks for), else
+    ``in_ci`` times, so that the test suite stays within its time on 2 cores."""
+    return soak if os.environ.get("OVERLAPKIT_SOAK", "") not in ("", "0") else in_ci
+
+
+@pytest.fixture
+def cpu_hog():
+    """A process that spins on one of the machine's cores while the test runs."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    hog = subprocess.Popen([sys.executable, "-c", "while 1: pass"])
+    yield hog
+    hog.kill()
+    hog.wait()

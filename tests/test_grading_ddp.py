@@ -5,6 +5,11 @@ import torch.distributed as dist
 
 import overlapkit as ok
 
+from .conftest import soak_runs
+
+#: a race must fail every run: repeated 20 times under `make soak`
+RACE_RUNS = soak_runs(3)
+
 # ----------------------------------------------------------------------------- lab 06
 
 
@@ -128,7 +133,7 @@ def test_hook_ddp_a_hard_coded_two_is_named_on_three_ranks():
 
 
 def test_hook_ddp_dividing_a_gradient_before_its_wait_fails_every_time_as_a_race():
-    for _ in range(3):
+    for _ in range(RACE_RUNS):
         report = ok.grading.check_hook_ddp(_variant("divide_before_wait"))
         assert not report.all_passed
         assert "RaceError" in _lines(report) and "was changed while ring_all_reduce" in _lines(
@@ -393,14 +398,14 @@ def test_bucketed_ddp_a_hard_coded_two_is_named_on_three_ranks():
 
 
 def test_bucketed_ddp_dividing_the_bucket_before_its_wait_fails_every_time_as_a_race():
-    for _ in range(3):
+    for _ in range(RACE_RUNS):
         report = ok.grading.check_bucketed_ddp(_bucket_variant("divide_before_wait"))
         assert not report.all_passed
         assert "was changed while ring_all_reduce" in _lines(report), _lines(report)
 
 
 def test_bucketed_ddp_reading_the_bucket_before_its_wait_fails_every_time_as_nan():
-    for _ in range(3):
+    for _ in range(RACE_RUNS):
         report = ok.grading.check_bucketed_ddp(_bucket_variant("copy_back_before_wait"))
         assert not report.all_passed
         assert "It is NaN" in _lines(report) and "before its handle's wait()" in _lines(report)
