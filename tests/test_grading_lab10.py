@@ -223,3 +223,11 @@ def test_a_measured_configuration_that_hides_nothing_misses_the_target(monkeypat
     assert result.passed == 5, _text(result)  # the table agrees, and naive is no slower
     assert "after: only 0.00 of the communication hidden" in _text(result)
     assert "NaiveDDP communicates after backward: nothing can hide" in _text(result)
+
+
+def test_seconds_and_percentages_are_named_even_from_a_quieter_spell(monkeypatch):
+    fake_measurements(monkeypatch, [([80, 82, 85, 90, 81], [0.0] * 5)], QUIET_AFTER)
+    table = {"before": {"step_ms": 0.058, "hidden": 0.0}, "after": {"step_ms": 50.5, "hidden": 84}}
+    text = _text(ok.grading.check_tuning(table, ONE_MIB))  # 58 ms: below 0.75 × 80 ms
+    assert "before: step_ms is 0.058" in text and "that looks like seconds" in text
+    assert "after: hidden is 84, a percentage: report the share (0–1)" in text

@@ -215,7 +215,7 @@ def _disagreements(side: str, got: dict, steps: _Band, hidden: _Band) -> list[st
     """What in one row of the table no measurement of its configuration gives here."""
     out = []
     step = got["step_ms"]
-    if steps.holds(step * 1000):
+    if step < 1 and steps.low / 2 <= step * 1000 <= 2 * steps.high:  # no step takes < 1 ms
         out.append(f"{side}: step_ms is {step:.4g}, and one measurement of this configuration "
                    f"takes {steps.low:.1f}–{steps.high:.1f} ms: that looks like seconds — "
                    "report milliseconds")  # fmt: skip
@@ -224,7 +224,7 @@ def _disagreements(side: str, got: dict, steps: _Band, hidden: _Band) -> list[st
                    f"configuration takes {steps.low:.1f}–{steps.high:.1f} ms here ({steps.n} "
                    f"steps re-measured took {steps.lo:.1f}–{steps.hi:.1f} ms)")  # fmt: skip
     share = got["hidden"]
-    if share > 1.0 and hidden.holds(share / 100):
+    if 1.0 < share <= 100.0:  # a share is at most 1
         out.append(f"{side}: hidden is {share:g}, a percentage: report the share (0–1)")
     elif not hidden.holds(share):
         low, high = max(0.0, hidden.low), min(1.0, hidden.high)
