@@ -26,16 +26,11 @@ def measure(config, **kwargs):
                      link=LINK)[0]  # fmt: skip
 
 
-def honest_table(tuned, fastest=None):
-    """Before and after as the lab measures them; ``fastest`` (a dict) gets each side's
-    fastest step."""
-    rows = {}
-    for side, config in (("before", BASELINE), ("after", tuned)):
-        m = measure(config, per_step=True)
-        rows[side] = {"step_ms": m["step_ms"], "hidden": m["hidden"]}
-        if fastest is not None:
-            fastest[side] = min(m["per_step"]["step_ms"])
-    return rows
+def honest_table(tuned):
+    """Before and after as the lab measures them."""
+    before, after = measure(BASELINE), measure(tuned)
+    return {side: {"step_ms": m["step_ms"], "hidden": m["hidden"]}
+            for side, m in (("before", before), ("after", after))}  # fmt: skip
 
 
 def _text(report):
@@ -43,13 +38,15 @@ def _text(report):
 
 
 @pytest.fixture(scope="module")
-def fastest():
-    return {}
+def measured():
+    return honest_table(ONE_MIB)
 
 
 @pytest.fixture(scope="module")
-def measured(fastest):
-    return honest_table(ONE_MIB, fastest)
+def floor():
+    """Each side's fastest step in 20: this machine steps at least that fast."""
+    return {side: min(measure(config, steps=20, per_step=True)["per_step"]["step_ms"])
+            for side, config in (("before", BASELINE), ("after", ONE_MIB))}  # fmt: skip
 
 
 def test_a_table_measured_just_before_passes(measured):
@@ -57,9 +54,12 @@ def test_a_table_measured_just_before_passes(measured):
     assert result.all_passed, _text(result)
 
 
-def test_the_issues_invented_table_earns_nothing_every_time(measured, fastest):
-    if min(fastest.values()) < 1.5 * 30:  # on a faster machine, 30 ms may be honest
-        pytest.skip(f"this machine's fastest steps ({fastest}) are near the invented table's")
+@pytest.mark.timeout(1800)  # 20 checks under make soak
+def test_the_issues_invented_table_earns_nothing_every_time(floor):
+    # the check refuses 30 ms while its fastest step is above 30 / 0.75 = 40 ms; with 10%
+    # to spare for its own fastest: on a faster machine, 30 ms may be honest
+    if floor["after"] < 1.1 * 30 / (1 - lab10.STEP_FLOOR):
+        pytest.skip(f"this machine's fastest steps ({floor}) are near the invented table's")
     for _ in range(MISTAKE_RUNS):
         result = ok.grading.check_tuning(INVENTED, ONE_MIB)
         assert result.score == 0, _text(result)
@@ -69,8 +69,12 @@ def test_the_issues_invented_table_earns_nothing_every_time(measured, fastest):
         )
 
 
-def test_a_table_faster_than_any_step_measured_earns_nothing_every_time(measured, fastest):
-    boasted = {side: {**row, "step_ms": fastest[side] / 2} for side, row in measured.items()}
+@pytest.mark.timeout(1800)
+def test_a_table_four_times_faster_than_any_step_measured_earns_nothing_every_time(floor):
+    # a quarter: it would pass only if the check's fastest step were 3x faster than any
+    # of these 20 (a halved table passed once: its steps ran in a spell 1.5x busier)
+    boasted = {"before": {"step_ms": floor["before"] / 4, "hidden": 0.0},
+               "after": {"step_ms": floor["after"] / 4, "hidden": 0.85}}  # fmt: skip
     for _ in range(MISTAKE_RUNS):
         result = ok.grading.check_tuning(boasted, ONE_MIB)
         assert result.score == 0, _text(result)
