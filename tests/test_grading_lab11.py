@@ -88,8 +88,34 @@ def _text(report):
     return "\n".join(message for _, message in report.cases)
 
 
-def test_the_ag_matmul_solution_passes():
-    assert ok.grading.check_ag_matmul(_build(AG, "ag_matmul")).all_passed
+@pytest.mark.parametrize(
+    "edits",
+    [
+        [],
+        # the ring the other way round, the product as F.linear
+        [
+            ("src = (me - k) % world", "src = (me + k) % world"),
+            ("ok.p2p.isend(chunk, (me + 1) % world)", "ok.p2p.isend(chunk, (me - 1) % world)"),
+            ("ok.p2p.irecv(nxt, (me - 1) % world)", "ok.p2p.irecv(nxt, (me + 1) % world)"),
+            ("chunk @ weight.t()", "torch.nn.functional.linear(chunk, weight)"),
+        ],
+        # polled with is_completed() while multiplying row by row, then waited
+        [
+            (
+                "            out[src * rows : (src + 1) * rows] = chunk @ weight.t()\n",
+                "            for i in range(rows):\n"
+                "                out[src * rows + i] = chunk[i : i + 1] @ weight.t()\n"
+                "                [h.is_completed() for h in handles]\n"
+                "            while not all(h.is_completed() for h in handles):\n"
+                "                pass\n",
+            )
+        ],
+    ],
+    ids=["the solution", "the other way round", "polled"],
+)
+def test_the_ag_matmul_solutions_pass(edits):
+    report = ok.grading.check_ag_matmul(_build(AG, "ag_matmul", *edits))
+    assert report.all_passed, _text(report)
 
 
 @pytest.mark.parametrize(
@@ -155,6 +181,61 @@ def test_the_ag_matmul_solution_passes():
             [("                nxt = torch.empty_like(chunk)", "                nxt = chunk")],
             "received the next shard into the tensor it was still sending",
         ),
+        # the loop one step short: the last shard in hand is never multiplied
+        (
+            [("        for k in range(world):", "        for k in range(world - 1):")],
+            "the block of shard 1 was never computed: no product on rank 0 took shard 1's rows",
+        ),
+        # each shard multiplied before its receive is waited (waited one step later)
+        (
+            [
+                ("        chunk = x\n", "        chunk = x\n        pending = []\n"),
+                (
+                    "            for h in handles:\n                h.wait()\n",
+                    "            for h in pending:\n                h.wait()\n"
+                    "            pending = handles\n",
+                ),
+            ],
+            "a shard multiplied before its receive was waited: the check keeps a receive buffer full of NaN",
+        ),
+        # the world size written as 2: on 3 ranks rank 2 sends to rank 1, which never receives
+        (
+            [("me, world = ok.rank(), ok.world_size()", "me, world = ok.rank(), 2")],
+            (
+                "to be received, but rank 1 returned having received 0 message(s) from it",
+                "It passed on 2 ranks and fails on 3: did you write 2 where ok.world_size() belongs?",
+            ),
+        ),
+        # the ring's neighbours taken mod 2
+        (
+            [
+                (
+                    "ok.p2p.isend(chunk, (me + 1) % world)",
+                    "ok.p2p.isend(chunk, (me + 1) % 2)",
+                ),
+                (
+                    "ok.p2p.irecv(nxt, (me - 1) % world)",
+                    "ok.p2p.irecv(nxt, (me - 1) % 2)",
+                ),
+            ],
+            "It passed on 2 ranks and fails on 3: did you write 2 where ok.world_size() belongs?",
+        ),
+        # a loop of 2 steps: right on 2 ranks, a block never computed on 3
+        (
+            [("        for k in range(world):", "        for k in range(2):")],
+            "Did the loop run N = 3 steps, one per shard, the own one included? It passed on 2 "
+            "ranks and fails on 3: did you write 2 where ok.world_size() belongs?",
+        ),
+        # the output made for 2 ranks' rows
+        (
+            [
+                (
+                    "out = x.new_empty((world * rows, weight.shape[0]))",
+                    "out = x.new_empty((2 * rows, weight.shape[0]))",
+                )
+            ],
+            "it passed on 2 ranks and fails on 3: did you write 2 where ok.world_size() belongs?",
+        ),
     ],
     ids=[
         "wrong index",
@@ -165,12 +246,19 @@ def test_the_ag_matmul_solution_passes():
         "built-in",
         "waited early and again",
         "received over the shard in hand",
+        "one step short",
+        "multiplied before its wait",
+        "world written as 2",
+        "neighbours mod 2",
+        "two steps",
+        "output for 2 ranks",
     ],
 )
 def test_ag_matmul_mistakes_are_named(edits, words):
     report = ok.grading.check_ag_matmul(_build(AG, "ag_matmul", *edits))
     assert not report.all_passed
-    assert words in _text(report), _text(report)
+    for fragment in words if isinstance(words, tuple) else (words,):
+        assert fragment in _text(report), _text(report)
 
 
 def test_an_unfinished_ag_matmul_says_so():
@@ -192,8 +280,21 @@ def test_an_unfinished_ag_matmul_says_so():
                 "            if c:\n                combines[c - 1][2].wait()\n",
             )
         ],
+        # the buffers' sizes looked at while their all-to-alls are in flight
+        [
+            (
+                "            h.wait()\n            y = expert(buf)",
+                "            assert len(buf) == buf.shape[0] == buf.size(0)\n"
+                "            h.wait()\n            y = expert(buf)",
+            ),
+            (
+                "            combines.append((c, back, h2))\n",
+                "            combines.append((c, back, h2))\n"
+                "            assert back.numel() == back.shape[0] * back.shape[1]\n",
+            ),
+        ],
     ],
-    ids=["the solution", "combines waited one chunk later"],
+    ids=["the solution", "combines waited one chunk later", "sizes read in flight"],
 )
 def test_the_chunked_moe_solutions_pass(edits):
     report = ok.grading.check_chunked_moe(_build(MOE, "chunked_moe", *edits))
@@ -294,6 +395,78 @@ def test_the_chunked_moe_solutions_pass(edits):
             ],
             "no dispatch in flight while its expert computed",
         ),
+        # the combine's output copied out before its wait
+        (
+            [
+                (
+                    "            h.wait()\n            out[plans[c][0]] = back",
+                    "            out[plans[c][0]] = back\n            h.wait()",
+                )
+            ],
+            (
+                "got [nan, nan, nan, nan]",
+                "chunk 0's combine output was read before its wait() returned. The check fills "
+                "a tensor that an all-to-all is still writing with NaN",
+            ),
+        ),
+        # the expert computes on the dispatched tokens before their wait
+        (
+            [
+                (
+                    "            h.wait()\n            y = expert(buf)",
+                    "            y = expert(buf)\n            h.wait()",
+                )
+            ],
+            "chunk 0's dispatched tokens (the dispatch's output) were read before its wait() returned",
+        ),
+        # the chunk's tokens dispatched in their own order, outputs put back by the sort
+        (
+            [
+                (
+                    "x[plans[c][0]], recv[c].tolist()",
+                    "x[los[c] : los[c] + len(plans[c][0])], recv[c].tolist()",
+                ),
+                (
+                    "        plans = []\n",
+                    "        plans = []\n        los = [lo for lo, _ in ok.collectives.chunk_bounds(len(x), chunks)]\n",
+                ),
+            ],
+            (
+                "chunk 0's dispatch sent token 0 (expert 1) in block 0, which goes to rank 0",
+                "send the chunk's tokens sorted by expert",
+            ),
+        ),
+        # neither sorted for the dispatch nor put back after the combine
+        (
+            [
+                (
+                    "x[plans[c][0]], recv[c].tolist()",
+                    "x[los[c] : los[c] + len(plans[c][0])], recv[c].tolist()",
+                ),
+                (
+                    "        plans = []\n",
+                    "        plans = []\n        los = [lo for lo, _ in ok.collectives.chunk_bounds(len(x), chunks)]\n",
+                ),
+                (
+                    "            out[plans[c][0]] = back",
+                    "            out[los[c] : los[c] + len(back)] = back",
+                ),
+            ],
+            "send the chunk's tokens sorted by expert",
+        ),
+        # the world size written as 2
+        (
+            [("        world = ok.world_size()", "        world = 2")],
+            (
+                "chunked_moe on 3 ranks, 4 chunks: rank 0 raised RuntimeError",
+                "it passed on 2 ranks and fails on 3: did you write 2 (or minlength=2) where ok.world_size() belongs?",
+            ),
+        ),
+        # the counts' length written as 2
+        (
+            [("minlength=world)", "minlength=2)")],
+            "it passed on 2 ranks and fails on 3: did you write 2 (or minlength=2) where ok.world_size() belongs?",
+        ),
     ],
     ids=[
         "not unsorted",
@@ -305,9 +478,16 @@ def test_the_chunked_moe_solutions_pass(edits):
         "blocking combine",
         "no chunk offset",
         "next dispatch waited at once",
+        "combine read before its wait",
+        "expert before the dispatch's wait",
+        "dispatch not sorted",
+        "neither sorted nor put back",
+        "world written as 2",
+        "minlength 2",
     ],
 )
 def test_chunked_moe_mistakes_are_named(edits, words):
     report = ok.grading.check_chunked_moe(_build(MOE, "chunked_moe", *edits))
     assert not report.all_passed
-    assert words in _text(report), _text(report)
+    for fragment in words if isinstance(words, tuple) else (words,):
+        assert fragment in _text(report), _text(report)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import torch
 
-from .. import handles
+from .. import handles, inflight
 from ..collectives import chunk_bounds
 from .collectives import CHECK_LINK
 from .common import builtin_collectives as _builtins
@@ -49,6 +50,110 @@ class _Log:
 
         handle.wait = wait
         return handle
+
+
+def _tensors(args, kwargs) -> list:
+    """The tensors among a call's arguments (also inside lists and tuples)."""
+    found, todo = [], [*args, *(kwargs or {}).values()]
+    while todo:
+        a = todo.pop()
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            todo.extend(a)
+    return found
+
+
+class _Stuck(Exception):
+    """A rank waits for a message that its peer, already returned, will never send (or
+    never receive): args (what, peer, n, the peer's counts)."""
+
+
+_DONE = "overlapkit/lab11/returned/{}"
+
+
+class _Patient:
+    """Counts the messages a rank posts to and from each peer, and waits for them so that
+    a wait nobody can answer ends at once, not at the check's timeout: a rank that
+    returned from the learner's function leaves in the process group's store how many
+    messages it sent to and received from each rank; a wait for the n-th message from
+    (or to) a rank that returned having sent (received) fewer can never end. The verdict
+    comes from those counts, never from how long anything took."""
+
+    def __init__(self, me: int):
+        self.me = me
+        self.counts: dict = {"send": {}, "recv": {}}
+        self.store = torch.distributed.distributed_c10d._get_default_store()
+
+    def wrap(self, handle, kind: str, peer: int):
+        mine = self.counts[kind]
+        n = mine[peer] = mine.get(peer, 0) + 1
+        inner = handle.wait
+
+        def wait(*args, **kwargs):
+            if args or kwargs:  # the learner's own timeout
+                return inner(*args, **kwargs)
+            while True:
+                try:
+                    return inner(timeout=0.05)
+                except TimeoutError:
+                    theirs = self._returned(peer)
+                    other = "recv" if kind == "send" else "send"
+                    if theirs is not None and theirs[other].get(str(self.me), 0) < n:
+                        raise _Stuck(kind, peer, n, theirs) from None
+
+        handle.wait = wait
+        return handle
+
+    def done(self) -> None:
+        self.store.set(_DONE.format(self.me), json.dumps(self.counts))
+
+    def _returned(self, peer: int):
+        key = _DONE.format(peer)
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+
+
+def _stuck_line(what: str, rank: int, stuck) -> str:
+    """What a rank waited for that its peer will never send or receive."""
+    kind, peer, n, theirs = stuck
+    other = "recv" if kind == "send" else "send"
+    k = theirs[other].get(str(rank), 0)
+    partners = sorted(int(p) for p in theirs[other] if int(p) != rank)
+    also = f" (its {'sends went' if other == 'send' else 'receives came'} " + (
+        f"{'to' if other == 'send' else 'from'} rank {', '.join(map(str, partners))})"
+        if partners else "nowhere else)")  # fmt: skip
+    if kind == "recv":
+        waits = (f"waits for message #{n} from rank {peer}, but rank {peer} returned having "
+                 f"sent it {k} message(s){also}")  # fmt: skip
+    else:
+        waits = (f"waits for its message #{n} to rank {peer} to be received, but rank {peer} "
+                 f"returned having received {k} message(s) from it{also}")  # fmt: skip
+    return f"{what}: rank {rank} {waits}: that wait would never end"
+
+
+def _hinted(message: str, hint: str) -> str:
+    """``message`` with ``hint`` after it: on a line of its own after a traceback, as a
+    sentence after a sentence, else after a dash."""
+    if not hint:
+        return message
+    if "\n" in message:
+        return f"{message}\n{hint[0].upper()}{hint[1:]}"
+    if message.endswith((".", "?")):
+        return f"{message} {hint[0].upper()}{hint[1:]}"
+    return f"{message} — {hint}"
+
+
+class _Hinted:
+    """A report whose ✘ lines end with ``hint``."""
+
+    def __init__(self, report: Report, hint: str):
+        self.report, self.hint = report, hint
+
+    def fail(self, message: str) -> None:
+        self.report.fail(_hinted(message, self.hint))
+
+    def ok(self, message: str) -> None:
+        self.report.ok(message)
 
 
 def _compute_calls(events, compute: str) -> list[tuple[int, int | None]]:
@@ -107,6 +212,7 @@ def _run_ag(ag_matmul):
     log = _Log()
     orig_isend, orig_irecv = ok.p2p.isend, ok.p2p.irecv
     counter = {"send": 0, "recv": 0}
+    peers = _Patient(me)
 
     sending: dict = {}  # data_ptr -> the send's handle, while it may still read it
     aliased = []
@@ -115,6 +221,7 @@ def _run_ag(ag_matmul):
         n = counter["send"] = counter["send"] + 1
         log.mark("send", n)
         handle = log.wrap_handle(orig_isend(tensor, dst, group), "send waited", n)
+        handle = peers.wrap(handle, "send", dst)
         ptr, inner = tensor.data_ptr(), handle.wait
         sending[ptr] = handle
 
@@ -131,13 +238,48 @@ def _run_ag(ag_matmul):
         log.mark("recv", n)
         if tensor.data_ptr() in sending:  # receiving over what is being sent
             aliased.append(n)
-        return log.wrap_handle(orig_irecv(tensor, src, group), "recv waited", n)
+            return log.wrap_handle(orig_irecv(tensor, src, group), "recv waited", n)
+        # the race guard of the kit's collectives, for a message: the message lands in a
+        # private tensor, the learner's holds NaN until wait(), so that a shard multiplied
+        # before its wait shows every run (a small message lands only when waited anyway)
+        private = torch.empty_like(tensor)
+        handle = orig_irecv(private, src, group)
+        inflight.poison(tensor)
+        handle = peers.wrap(log.wrap_handle(handle, "recv waited", n), "recv", src)
+        inner_wait, inner_done, landed = handle.wait, handle.is_completed, []
+
+        def land():
+            if not landed:
+                landed.append(True)
+                tensor.copy_(private)
+
+        def wait(*args, **kwargs):
+            result = inner_wait(*args, **kwargs)
+            land()
+            return result
+
+        def is_completed():
+            done = inner_done()
+            if done:
+                land()
+            return done
+
+        handle.wait, handle.is_completed = wait, is_completed
+        return handle
+
+    operands: set = set()  # rows of the gathered input seen in a product
+    nan_operands = []  # products of a tensor holding NaN (a receive read before its wait)
 
     class Watched(torch.overrides.TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             product = getattr(func, "__name__", "") in _PRODUCTS
             if product:
                 log.mark("matmul start", 0)
+                for a in _tensors(args, kwargs):
+                    if a.dim() == 2 and a.shape[-1] == FEATURES and a.is_floating_point():
+                        nan_operands.extend([True] if bool(a.isnan().any()) else [])
+                        same = (a.detach()[:, None, :] == full[None]).all(dim=-1)
+                        operands.update(same.nonzero()[:, 1].tolist())
             out = func(*args, **(kwargs or {}))
             if product:
                 log.mark("matmul end", 0)
@@ -145,11 +287,15 @@ def _run_ag(ag_matmul):
 
     handles.take_unwaited()
     ok.p2p.isend, ok.p2p.irecv = isend, irecv
+    stuck = None
     try:
         with _forbidden(_AG_FORBIDDEN) as called, _builtins() as builtin, Watched():
             got = ag_matmul(x, weight)
+    except _Stuck as exc:
+        got, stuck = None, exc.args
     finally:
         ok.p2p.isend, ok.p2p.irecv = orig_isend, orig_irecv
+        peers.done()
     return {
         "got": got if isinstance(got, torch.Tensor) else repr(got)[:80],
         "want": full @ weight.t(),
@@ -159,7 +305,13 @@ def _run_ag(ag_matmul):
         "events": log.events,
         "aliased": aliased,
         "unwaited": handles.take_unwaited(),
+        "stuck": stuck,
+        "multiplied": sorted(operands),
+        "nan_operand": bool(nan_operands),
     }
+
+
+_WORLD_HINT = "it passed on 2 ranks and fails on 3: did you write 2 where ok.world_size() belongs?"
 
 
 def check_ag_matmul(ag_matmul, timeout: float = 20.0) -> Report:
@@ -170,15 +322,24 @@ def check_ag_matmul(ag_matmul, timeout: float = 20.0) -> Report:
     report = Report("ag_matmul")
     for world in (2, 3):
         what = f"ag_matmul on {world} ranks"
-        results = run_or_report(report, what, _run_ag, ag_matmul, world_size=world,
-                                timeout=timeout, link=CHECK_LINK)  # fmt: skip
-        if results is None or not _ag_results(report, what, results, world):
+        hint = _WORLD_HINT if world > 2 else ""  # the 3-rank case runs once 2 ranks passed
+        results = run_or_report(_Hinted(report, hint), what, _run_ag, ag_matmul,
+                                world_size=world, timeout=timeout, link=CHECK_LINK)  # fmt: skip
+        if results is None or not _ag_results(report, what, results, world, hint):
             return report
     report.ok("every rank holds AllGather(x) @ Wᵀ, shard by shard, on 2 and 3 ranks")
     return report
 
 
-def _ag_results(report, what, results, world) -> bool:
+def _ag_results(report, what, results, world, hint) -> bool:
+    for rank, (res, _) in enumerate(results):
+        if res["stuck"]:
+            _Hinted(report, hint).fail(
+                f"{_stuck_line(what, rank, res['stuck'])}. On a ring of N = ok.world_size() "
+                "ranks, rank r sends to (r + 1) mod N and receives from (r − 1) mod N, N − 1 "
+                "times each."
+            )
+            return False
     for rank, (res, traffic) in enumerate(results):
         if res["called"]:
             name = _AG_FORBIDDEN[res["called"][0]]
@@ -202,37 +363,18 @@ def _ag_results(report, what, results, world) -> bool:
                         f"{list(want.shape)}")  # fmt: skip
             return False
         if got.shape != want.shape:
-            report.fail(f"{what}: rank {rank} returned shape {list(got.shape)}; expected "
-                        f"{list(want.shape)} (every rank's {ROWS} rows, this rank's "
-                        f"{OUT} output features)")  # fmt: skip
+            _Hinted(report, hint).fail(
+                f"{what}: rank {rank} returned shape {list(got.shape)}; expected "
+                f"{list(want.shape)} (every rank's {ROWS} rows, this rank's {OUT} output features)"
+            )
             return False
         for src in range(world):
             block = got[src * ROWS : (src + 1) * ROWS]
-            if torch.allclose(block, res["shards"][src], atol=1e-5):
-                continue
-            holds = next(
-                (
-                    r
-                    for r in range(world)
-                    if r != src and torch.allclose(block, res["shards"][r], atol=1e-5)
-                ),
-                None,
-            )
-            diff = (block - res["shards"][src]).abs()
-            i, j = divmod(int(diff.argmax()), OUT)
-            hint = (
-                f" — they hold shard {holds}'s product: the shard in hand at ring step k came "
-                f"from rank (rank − k) mod N, and its rows go to block (rank − k) mod N"
-                if holds is not None
-                else " — a shard used before its receive was waited (or never received) "
-                "leaves garbage there: wait for the receive before multiplying what came"
-            )
-            report.fail(
-                f"{what}: rank {rank}, rows {src * ROWS}–{(src + 1) * ROWS - 1} (shard of rank "
-                f"{src}): at row {src * ROWS + i}, column {j} expected "
-                f"{res['shards'][src][i, j].item():.4f}, got {block[i, j].item():.4f}{hint}"
-            )
-            return False
+            if not torch.allclose(block, res["shards"][src], atol=1e-5):
+                line = _ag_block_line(what, rank, src, block, res, world)
+                # a block never computed on 3 ranks after 2 passed: maybe a loop of 2 steps
+                report.fail(_hinted(line, hint if "never computed" in line else ""))
+                return False
     for rank, (res, _) in enumerate(results):
         sends = sum(1 for _, e, _ in res["events"] if e == "send")
         if sends < world - 1:
@@ -249,9 +391,52 @@ def _ag_results(report, what, results, world) -> bool:
     return True
 
 
+def _ag_block_line(what, rank, src, block, res, world) -> str:
+    """The ✘ line for the block of rows of shard ``src`` that differs: a shard read
+    before its receive's wait (NaN), another shard's product, a block never computed."""
+    rows = f"{src * ROWS}–{(src + 1) * ROWS - 1}"
+    shard = res["shards"][src]
+    diff = (block - shard).abs().nan_to_num(float("inf"))
+    i, j = divmod(int(diff.argmax()), OUT)
+    where = (f"{what}: rank {rank}, rows {rows} (shard of rank {src}): at row "
+             f"{src * ROWS + i}, column {j} expected {shard[i, j].item():.4f}, got "
+             f"{block[i, j].item():.4f}")  # fmt: skip
+    if res["nan_operand"] and bool(block.isnan().any()):
+        return (
+            f"{where} — a shard multiplied before its receive was waited: the check keeps a "
+            "receive buffer full of NaN until its wait() returns (so the race shows every "
+            "run, not one in ten). Wait for the receive before multiplying the shard it brings"
+        )
+    others = [r for r in range(world) if r != src]
+    holds = next((r for r in others if torch.allclose(block, res["shards"][r], atol=1e-5)), None)
+    if holds is not None:
+        return (
+            f"{where} — they hold shard {holds}'s product: the shard in hand at ring step k came "
+            "from rank (rank − k) mod N, and its rows go to block (rank − k) mod N"
+        )
+    if not set(range(src * ROWS, (src + 1) * ROWS)) <= set(res["multiplied"]):
+        return (
+            f"{where} — the block of shard {src} was never computed: no product on rank {rank} "
+            f"took shard {src}'s rows, so they hold what the output held when it was made "
+            f"(zeros, or torch.empty's leftovers). Did the loop run N = {world} steps, one "
+            f"per shard, the own one included?"
+        )
+    return (
+        f"{where} — shard {src} was multiplied, but its product is not what landed in "
+        f"rows {rows}: multiply the shard by weightᵀ (x @ weight.t()) and write it there"
+    )
+
+
 # --------------------------------------------------------------------------- chunked MoE
 
 TOKENS, D = 11, 4  # per rank: not a multiple of the chunk counts checked
+
+
+#: calls that read a tensor's shape, not its values: no race with an op filling it
+_METADATA = {"__get__", "__len__", "size", "dim", "numel", "stride", "data_ptr",
+             "untyped_storage", "storage_offset", "is_contiguous", "element_size",
+             "is_floating_point", "new_empty", "new_zeros", "new_ones", "new_full", "empty_like",
+             "zeros_like", "ones_like"}  # fmt: skip
 
 
 def _run_moe(chunked_moe, chunks):
@@ -263,7 +448,9 @@ def _run_moe(chunked_moe, chunks):
     expert_of = torch.randint(0, world, (n,), generator=torch.Generator().manual_seed(30 + me))
     torch.manual_seed(40)
     experts = [torch.nn.Linear(D, D) for _ in range(world)]
-    want = torch.stack([experts[int(e)](t) for t, e in zip(x, expert_of, strict=True)]).detach()
+    with torch.no_grad():
+        through = torch.stack([e(x) for e in experts], dim=1)  # [token, expert, D]
+    want = through[torch.arange(n), expert_of]
     log = _Log()
     counter = [0]
     orig = ok.all_to_all
@@ -273,26 +460,67 @@ def _run_moe(chunked_moe, chunks):
     dispatches: set = set()  # all-to-alls whose output the expert then computed on
     combines: set = set()  # all-to-alls that sent what the expert computed
     tokens: dict = {}  # an all-to-all's number -> the tokens (rows of x) it sent
+    blocks: dict = {}  # a dispatch's number -> the rows it sent to each rank
+    in_flight: dict = {}  # an async all-to-all's output storage -> (kind, chunk) until waited
+    touched: list = []  # (kind, chunk) of outputs read while in flight
+    inside = [False]  # the kit's own calls (filling, copying back) are no read of the learner
 
     def all_to_all(*args, **kwargs):
         counter[0] += 1
         n_ = counter[0]
+        kind = "all-to-all"
         source = args[1] if len(args) > 1 else kwargs.get("input")
         if isinstance(source, torch.Tensor) and source.is_floating_point():
             rows = _token_numbers(source, x)
             if any(i >= 0 for i in rows):  # rows of x: a dispatch
-                tokens[n_] = rows
+                tokens[n_], kind = rows, "dispatch"
+                splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
+                blocks[n_] = _blocks(rows, splits, world)
             elif source.data_ptr() in outputs or any(e == "expert start" for _, e, _ in log.events):
                 combines.add(n_)  # the expert's outputs, on their way back
+                kind = "combine"
+        chunk = len(tokens) - 1 if kind == "dispatch" else len(combines) - 1
         target = args[0] if args else kwargs.get("output")
         if isinstance(target, torch.Tensor):
             received[target.data_ptr()] = n_
         log.mark("a2a", n_)
-        handle = orig(*args, **kwargs)
-        if kwargs.get("async_op"):
-            return log.wrap_handle(handle, "a2a waited", n_)
-        log.mark("a2a waited", n_)
+        inside[0] = True
+        try:
+            handle = orig(*args, **kwargs)
+        finally:
+            inside[0] = False
+        if not kwargs.get("async_op"):
+            log.mark("a2a waited", n_)
+            return handle
+        handle = log.wrap_handle(handle, "a2a waited", n_)
+        if isinstance(target, torch.Tensor):
+            key = target.untyped_storage().data_ptr()
+            in_flight[key] = (kind, chunk)
+            inner = handle.wait
+
+            def wait(*a, **k):
+                inside[0] = True
+                try:
+                    return inner(*a, **k)
+                finally:
+                    inside[0] = False
+                    in_flight.pop(key, None)
+
+            handle.wait = wait
         return handle
+
+    class Touches(torch.overrides.TorchFunctionMode):
+        """Notes a read of an all-to-all's output before its wait (under the check's race
+        guard it holds NaN then: this says which output it was)."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if in_flight and not inside[0] and getattr(func, "__name__", "") not in _METADATA:
+                for a in _tensors(args, kwargs):
+                    hit = in_flight.get(a.untyped_storage().data_ptr())
+                    if hit is not None:
+                        touched.append(hit)
+                        break
+            return func(*args, **(kwargs or {}))
 
     expert = experts[me]
     orig_forward = expert.forward
@@ -311,13 +539,14 @@ def _run_moe(chunked_moe, chunks):
     ok.all_to_all = all_to_all
     try:
         with (_forbidden({"moe.MoELayer": "ok.moe.MoELayer"}) as called, _builtins() as builtin,
-              torch.no_grad()):  # fmt: skip
+              torch.no_grad(), Touches()):  # fmt: skip
             got = chunked_moe(x, expert_of, expert, chunks)
     finally:
         ok.all_to_all = orig
     return {
         "got": got if isinstance(got, torch.Tensor) else repr(got)[:80],
         "want": want,
+        "through": through,
         "called": called,
         "builtin": builtin,
         "events": log.events,
@@ -325,9 +554,20 @@ def _run_moe(chunked_moe, chunks):
         "dispatches": dispatches,
         "combines": sorted(combines - dispatches),
         "tokens": tokens,
+        "blocks": [blocks[k] for k in sorted(blocks)],
+        "touched": touched,
         "unwaited": handles.take_unwaited(),
         "expert_of": expert_of,
     }
+
+
+def _blocks(rows: list[int], splits, world: int) -> list[list[int]]:
+    """The tokens of ``rows`` that went to each rank, block j to rank j."""
+    if splits is None:
+        splits = [len(rows) // world] * world
+    splits = [int(s) for s in splits]
+    bounds = [sum(splits[:j]) for j in range(len(splits) + 1)]
+    return [rows[bounds[j] : bounds[j + 1]] for j in range(len(splits))]
 
 
 def _token_numbers(rows: torch.Tensor, x: torch.Tensor) -> list[int]:
@@ -348,15 +588,30 @@ def check_chunked_moe(chunked_moe, timeout: float = 20.0) -> Report:
     report = Report("chunked_moe")
     for world, chunks in ((2, 1), (2, 3), (3, 4)):
         what = f"chunked_moe on {world} ranks, {chunks} chunk{'s' if chunks > 1 else ''}"
-        results = run_or_report(report, what, _run_moe, chunked_moe, chunks, world_size=world,
-                                timeout=timeout, link=CHECK_LINK)  # fmt: skip
-        if results is None or not _moe_results(report, what, results, chunks):
+        # the 3-rank case runs once the 2-rank ones passed
+        hint = _WORLD_HINT.replace("2 where", "2 (or minlength=2) where") if world > 2 else ""
+        results = run_or_report(_Hinted(report, hint), what, _run_moe, chunked_moe, chunks,
+                                world_size=world, timeout=timeout, link=CHECK_LINK,
+                                explain=_split_sizes)  # fmt: skip
+        if results is None or not _moe_results(report, what, results, chunks, hint):
             return report
         report.ok(f"{what}: every token came back with its expert's output")
     return report
 
 
-def _moe_results(report, what, results, chunks) -> bool:
+def _split_sizes(error: str) -> str:
+    """What the split sizes of an all-to-all are, after an error about them."""
+    if "split_sizes" not in error:
+        return ""
+    return (
+        " — input_split_sizes[j] is how many rows this rank sends to rank j (they add up to "
+        "the input's rows), output_split_sizes[j] how many it receives from rank j (they add "
+        "up to the output's rows). The combine sends every rank back as many rows as that "
+        "rank dispatched here"
+    )
+
+
+def _moe_results(report, what, results, chunks, hint) -> bool:
     for rank, (res, traffic) in enumerate(results):
         if res["called"]:
             report.fail(f"{what}: rank {rank} used ok.moe.MoELayer, the kit's answer: "
@@ -371,7 +626,7 @@ def _moe_results(report, what, results, chunks) -> bool:
         got, want = res["got"], res["want"]
         if not isinstance(got, torch.Tensor) or got.shape != want.shape:
             shape = list(got.shape) if isinstance(got, torch.Tensor) else got
-            report.fail(
+            _Hinted(report, hint).fail(
                 f"{what}: rank {rank} returned {shape}; expected a tensor of shape "
                 f"{list(want.shape)}: one output per token, in the tokens' order"
             )
@@ -379,21 +634,11 @@ def _moe_results(report, what, results, chunks) -> bool:
         bad = [i for i in range(len(want)) if not torch.allclose(got[i], want[i], atol=1e-5)]
         if bad:
             i = bad[0]
-            twin = next((j for j in range(len(want))
-                         if torch.allclose(got[i], want[j], atol=1e-5)), None)  # fmt: skip
-            hint = (
-                f" — it holds token {twin}'s output: put each returned row back at its token's "
-                "place (undo the sort by expert)"
-                if twin is not None
-                else " — rows sent to the wrong expert give such values: sort each chunk's "
-                "tokens by expert before the dispatch (block j of what you send goes to rank "
-                "j) and give the split sizes in rank order"
-            )
             report.fail(
                 f"{what}: rank {rank}, token {i} (expert {int(res['expert_of'][i])}): expected "
                 f"{[round(v, 4) for v in want[i].tolist()]}, got "
                 f"{[round(v, 4) for v in got[i].tolist()]}; {len(bad)} of {len(want)} tokens "
-                f"differ{hint}"
+                f"differ — {_moe_wrong_rows(res, bad)}"
             )
             return False
     for rank, (res, _) in enumerate(results):
@@ -423,6 +668,55 @@ def _moe_results(report, what, results, chunks) -> bool:
             )
             return False
     return True
+
+
+def _moe_wrong_rows(res, bad: list[int]) -> str:
+    """Why the tokens ``bad`` hold wrong outputs: an all-to-all's output read before its
+    wait (NaN under the race guard), a dispatch not sorted by expert, outputs not put back
+    at their tokens' places, or a token through the wrong expert."""
+    if res["touched"]:
+        kind, c = res["touched"][0]
+        what = {
+            "dispatch": f"chunk {c}'s dispatched tokens (the dispatch's output) were read",
+            "combine": f"chunk {c}'s combine output was read",
+        }.get(kind, "an all-to-all's output was read")
+        return (
+            f"{what} before its wait() returned. The check fills a tensor that an all-to-all "
+            "is still writing with NaN until its wait() (so the race shows every run, not one "
+            "in ten): wait for each all-to-all before reading what it delivers"
+        )
+    expert_of = res["expert_of"].tolist()
+    for c, blocks in enumerate(res["blocks"]):
+        for j, rows in enumerate(blocks):
+            wrong = next((t for t in rows if t >= 0 and expert_of[t] != j), None)
+            if wrong is not None:
+                return (
+                    f"chunk {c}'s dispatch sent token {wrong} (expert {expert_of[wrong]}) in "
+                    f"block {j}, which goes to rank {j}: the first input_split_sizes[0] rows "
+                    "go to rank 0, the next input_split_sizes[1] to rank 1, … — send the "
+                    "chunk's tokens sorted by expert (torch.argsort(…, stable=True) of their "
+                    "experts gives that order), not in their own order"
+                )
+    got, want, through = res["got"], res["want"], res["through"]
+    i = bad[0]
+    twin = next((j for j in range(len(want)) if torch.allclose(got[i], want[j], atol=1e-5)), None)
+    if twin is not None:
+        return (
+            f"it holds token {twin}'s output: the dispatch went out sorted by expert, and the "
+            "combine brings the outputs back in that same order; put each returned row back "
+            "at its token's place (undo the sort by expert)"
+        )
+    by = next((e for e in range(through.shape[1])
+               if torch.allclose(got[i], through[i, e], atol=1e-5)), None)  # fmt: skip
+    if by is not None:
+        return (
+            f"token {i} came back through expert {by}, not its own: give the split sizes in "
+            "rank order, the combine's the dispatch's the other way round"
+        )
+    return (
+        "no token's output through any expert: rows never written keep what the output "
+        "held when it was made (did every chunk's combine land in the output?)"
+    )
 
 
 def _exposed_combines(res) -> list[int]:
