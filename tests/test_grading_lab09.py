@@ -88,6 +88,59 @@ def on_data_without_no_grad(model):
         p.data /= ok.world_size()
 
 
+def divided_by_two(model):
+    """The world size written as a number: right on 2 ranks only."""
+    with torch.no_grad():
+        for p in model.parameters():
+            ok.ring_all_reduce(p)
+            p /= 2
+
+
+def divided_by_three(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            ok.ring_all_reduce(p)
+            p /= 3
+
+
+def averaged_then_divided(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            ok.ring_all_reduce(p, op="avg")
+            p /= ok.world_size()
+
+
+def async_never_waited(model):
+    for p in model.parameters():
+        ok.ring_all_reduce(p, op="avg", async_op=True)
+
+
+def async_last_waited(model):
+    """Only the last handle waited: the others are still in the check's books."""
+    handles = [ok.ring_all_reduce(p, op="avg", async_op=True) for p in model.parameters()]
+    handles[-1].wait()
+
+
+def read_before_wait(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            mean = p.detach().clone()
+            handle = ok.ring_all_reduce(mean, op="avg", async_op=True)
+            p.copy_(mean)  # the mean is not there yet
+            handle.wait()
+
+
+def averaged_a_clone(model):
+    for p in model.parameters():
+        mean = p.detach().clone()
+        ok.ring_all_reduce(mean, op="avg")  # never copied back
+
+
+def only_rank_zero(model):
+    if ok.rank() == 0:
+        collective_alone(model)
+
+
 def one_flat_vector(model):
     flat = torch.nn.utils.parameters_to_vector(model.parameters())
     ok.ring_all_reduce(flat, op="avg")
@@ -118,7 +171,56 @@ def test_the_average_parameters_solutions_pass(fn):
     ("fn", "words"),
     [
         (summed, "that is the sum over the 2 ranks"),
-        (averaged_grads, "not their .grad"),
+        (
+            averaged_grads,
+            (
+                "unchanged, while its .grad changed: average the parameters themselves (not their "
+                ".grad)"
+            ),
+        ),
+        (
+            averaged_a_clone,
+            (
+                "unchanged: the average must land in the parameters themselves "
+                "(in place, or copied back)"
+            ),
+        ),
+        (
+            divided_by_two,
+            "that is the sum divided by 2 with N = 3 ranks: divide by ok.world_size()",
+        ),
+        (
+            divided_by_three,
+            "that is the sum divided by 3 with N = 2 ranks: divide by ok.world_size()",
+        ),
+        (
+            averaged_then_divided,
+            "that is the mean divided by 2 once more: op='avg' already divides",
+        ),
+        (async_never_waited, "rank 0 never waited for 5 operation(s)"),
+        (
+            async_never_waited,
+            (
+                "is NaN (the check poisons a tensor while an operation on it is in flight): call "
+                ".wait() on every handle"
+            ),
+        ),
+        (async_last_waited, "rank 0 never waited for 4 operation(s)"),
+        (
+            read_before_wait,
+            (
+                "got nan — NaN: the check poisons a tensor while an operation on it is in "
+                "flight, so this was read before that operation's wait()"
+            ),
+        ),
+        (
+            only_rank_zero,
+            (
+                "rank 0 raised RuntimeError: its ok.ring_all_reduce #1 can never finish: rank 1 "
+                "returned from average_parameters having called ok.ring_all_reduce 0 time(s). A "
+                "collective completes only when every rank calls it: every rank averages"
+            ),
+        ),
         (first_only, "this one is not: is every parameter averaged?"),
         (builtin, "called torch.distributed.all_reduce"),
         (new_parameters, "new parameter objects: the optimizer still holds the old ones"),
@@ -215,6 +317,82 @@ def never_averaged(model, optimizer, batch, step, k):
     optimizer.step()
 
 
+def fixed_period(model, optimizer, batch, step, k):
+    """k written as the number the lab's text happened to show."""
+    optimizer.zero_grad()
+    _loss_backward(model, batch)
+    optimizer.step()
+    if step % 3 == 0:
+        average_parameters(model)
+
+
+def fixed_period_two(model, optimizer, batch, step, k):
+    optimizer.zero_grad()
+    _loss_backward(model, batch)
+    optimizer.step()
+    if step % 2 == 0:
+        average_parameters(model)
+
+
+def gradients_every_step(model, optimizer, batch, step, k):
+    """The DDP habit: the gradients all-reduced every step, before the update."""
+    optimizer.zero_grad()
+    _loss_backward(model, batch)
+    averaged_grads(model)
+    optimizer.step()
+
+
+def gradients_every_step_and_parameters(model, optimizer, batch, step, k):
+    gradients_every_step(model, optimizer, batch, step, k)
+    if step % k == 0:
+        average_parameters(model)
+
+
+def flat_gradients_every_step(model, optimizer, batch, step, k):
+    """The gradients all-reduced as one flat copy, written back."""
+    optimizer.zero_grad()
+    _loss_backward(model, batch)
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    ok.ring_all_reduce(flat, op="avg")
+    torch.nn.utils.vector_to_parameters(flat, grads)
+    optimizer.step()
+
+
+def summed_loss(model, optimizer, batch, step, k):
+    x, y = batch
+    optimizer.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y, reduction="sum").backward()
+    optimizer.step()
+    if step % k == 0:
+        average_parameters(model)
+
+
+def half_the_loss(model, optimizer, batch, step, k):
+    x, y = batch
+    optimizer.zero_grad()
+    (0.5 * torch.nn.functional.mse_loss(model(x), y)).backward()
+    optimizer.step()
+    if step % k == 0:
+        average_parameters(model)
+
+
+def only_rank_zero_averages(model, optimizer, batch, step, k):
+    optimizer.zero_grad()
+    _loss_backward(model, batch)
+    optimizer.step()
+    if step % k == 0 and ok.rank() == 0:
+        average_parameters(model)
+
+
+def async_average_never_waited(model, optimizer, batch, step, k):
+    optimizer.zero_grad()
+    _loss_backward(model, batch)
+    optimizer.step()
+    if step % k == 0:
+        async_never_waited(model)
+
+
 @pytest.mark.parametrize("fn", [local_sgd_step, local_sgd_manual_update], ids=lambda f: f.__name__)
 def test_the_local_sgd_step_solutions_pass(fn):
     report = ok.grading.check_average_parameters(average_parameters, fn)
@@ -232,6 +410,52 @@ def test_the_local_sgd_step_solutions_pass(fn):
         (averaged_gradients, "averaged the gradients at step 3"),
         (gradients_never_cleared, "clear them every step (optimizer.zero_grad())"),
         (never_averaged, "ran no AllReduce in step 3: with k = 3, average after steps 3, 6"),
+        (
+            fixed_period,
+            (
+                "averaged after steps 3, 6 — every 3 steps, with k = 2: average every k steps (the "
+                "argument k), not a fixed number"
+            ),
+        ),
+        (
+            fixed_period_two,
+            "averaged after steps 2, 4, 6 — every 2 steps, with k = 3: average every k steps",
+        ),
+        (
+            gradients_every_step,
+            "rank 0 all-reduced the gradients in every step, so every rank took the same update",
+        ),
+        (
+            gradients_every_step,
+            (
+                "Local SGD communicates only after steps 3, 6, … (k = 3), and then averages the "
+                "parameters"
+            ),
+        ),
+        (gradients_every_step_and_parameters, "rank 0 all-reduced the gradients in every step"),
+        (flat_gradients_every_step, "rank 0 all-reduced the gradients in every step"),
+        (
+            summed_loss,
+            (
+                "this step moved the parameters 6× as far as local SGD's, and the batch has 6 "
+                "targets — the loss summed the squared errors; use their mean"
+            ),
+        ),
+        (
+            half_the_loss,
+            "this step moved the parameters 0.5× as far as local SGD's, in the same direction",
+        ),
+        (
+            only_rank_zero_averages,
+            (
+                "its ok.ring_all_reduce #1 (in step 3) can never finish: rank 1 finished all 7 "
+                "steps having called ok.ring_all_reduce 0 time(s)"
+            ),
+        ),
+        (
+            async_average_never_waited,
+            "in an earlier operation that was not waited yet: wait() for it",
+        ),
     ],
     ids=lambda v: getattr(v, "__name__", ""),
 )
@@ -242,6 +466,10 @@ def test_local_sgd_step_mistakes_are_named(fn, words):
 
 
 def test_local_sgd_step_is_not_checked_on_a_wrong_average():
+    """The check stops at its first failure; the cases after it count as not passed, so
+    the score reads out of every case (0/4 here, not 0/1)."""
     report = ok.grading.check_average_parameters(summed, local_sgd_step)
-    assert not report.all_passed
-    assert not any("local_sgd_step" in m for _, m in report.cases)
+    assert (report.passed, report.total) == (0, 4)
+    later = [m for _, m in report.cases if "local_sgd_step" in m]
+    assert len(later) == 2
+    assert all("not reached: the check stops at its first failure" in m for m in later)

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
+from .. import handles
 from .collectives import CHECK_LINK
-from .common import builtin_collectives, refused_rank, run_or_report
+from .common import builtin_collectives, refused_rank, run_or_report, worst_element
 from .report import Report
+
+WORLDS = (2, 3)  # average_parameters: 2 ranks, then 3 (a divisor of 2 shows there)
+STEPS, LR = 7, 0.1
+LOCAL_CASES = ((2, 3), (3, 2))  # local_sgd_step: (ranks, k) — two k, so a fixed period shows
+_KIT_REDUCTIONS = ("ring_all_reduce", "naive_all_reduce", "bucketed_all_reduce")
+_SKIPPED = "not reached: the check stops at its first failure (above)"
 
 
 def _model(rank: int) -> torch.nn.Module:
@@ -24,6 +32,131 @@ def _model(rank: int) -> torch.nn.Module:
     return model
 
 
+# --------------------------------------------------------------------------- the recorder
+
+
+def _store():
+    """The process group's store, for a word between ranks that pairs with no collective."""
+    import torch.distributed as dist  # noqa: PLC0415
+    import torch.distributed.distributed_c10d as c10d  # noqa: PLC0415
+
+    return dist.PrefixStore("overlapkit/grading/lab09", c10d._get_default_store())
+
+
+def _kind(model, tensor) -> str:
+    """What a tensor handed to an AllReduce is: "parameter", "gradient" (one of them, or all
+    of them flat — itself, a view, or a copy), or "" (something else)."""
+    if isinstance(tensor, (list, tuple)) and tensor:
+        tensor = tensor[0]
+    if not isinstance(tensor, torch.Tensor):
+        return ""
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    ptr = tensor.data_ptr()
+    if any(g is not None and g.data_ptr() == ptr for g in grads):
+        return "gradient"
+    if any(p.data_ptr() == ptr for p in params):
+        return "parameter"
+    flat = tensor.detach().reshape(-1)
+
+    def same(other) -> bool:
+        return other.numel() == flat.numel() and torch.equal(other.reshape(-1), flat)
+
+    with torch.no_grad():
+        if all(g is not None for g in grads) and same(torch.cat([g.reshape(-1) for g in grads])):
+            return "gradient"
+        if same(torch.cat([p.detach().reshape(-1) for p in params])):
+            return "parameter"
+        if any(g is not None and same(g) for g in grads):
+            return "gradient"
+        return "parameter" if any(same(p.detach()) for p in params) else ""
+
+
+@contextlib.contextmanager
+def _recorded_reductions(ok, model, optimizer=None, *, finished: str, advice: str,
+                         where=lambda: ""):  # fmt: skip
+    """Record, in one list, the kit's AllReduces (with what they reduce: a parameter, a
+    gradient, or another tensor) and the optimizer's steps, in the order they ran.
+
+    A rank's ``ok.ring_all_reduce`` also ends, rather than hangs until the check's
+    timeout, when another rank has finished (``finished`` says what it did) having called
+    fewer of them: that rank will never join it (``advice``: what to do). Each rank posts
+    its count in the process group's store when its work is done."""
+    me, world, store = ok.rank(), ok.world_size(), _store()
+    called: list[str] = []
+    count = [0]
+
+    def joined(wait, index: int) -> None:
+        while True:
+            try:
+                wait(timeout=0.05)
+                return
+            except TimeoutError:
+                pass
+            for r in range(world):
+                if r == me or not store.check([str(r)]):
+                    continue
+                theirs = int(store.get(str(r)))
+                if theirs < index:
+                    handles.take_unwaited()  # this one is abandoned: no report of it
+                    raise RuntimeError(
+                        f"its ok.ring_all_reduce #{index}{where()} can never finish: rank "
+                        f"{r} {finished} having called ok.ring_all_reduce {theirs} time(s). "
+                        f"A collective completes only when every rank calls it: {advice}"
+                    )
+
+    def ring(original, tensor, *args, **kwargs):
+        count[0] += 1
+        index, args = count[0], list(args)
+        if len(args) > 2:  # (op, group, async_op, …)
+            asked, args[2] = args[2], True
+        else:
+            asked, kwargs["async_op"] = kwargs.get("async_op", False), True
+        handle = original(tensor, *args, **kwargs)
+        plain_wait = handle.wait
+        if not asked:
+            joined(plain_wait, index)
+            return None
+
+        def wait(timeout=None):
+            if timeout is not None:
+                return plain_wait(timeout)
+            joined(plain_wait, index)
+            return True
+
+        handle.wait = wait
+        return handle
+
+    def recorder(original, name):
+        def call(tensor, *args, **kwargs):
+            called.append(f"ok.{name}({_kind(model, tensor)})")
+            if name == "ring_all_reduce":
+                return ring(original, tensor, *args, **kwargs)
+            return original(tensor, *args, **kwargs)
+
+        return call
+
+    saved = {name: getattr(ok, name) for name in _KIT_REDUCTIONS}
+    for name, original in saved.items():
+        setattr(ok, name, recorder(original, name))
+    if optimizer is not None:
+
+        def step(*args, _step=optimizer.step, **kwargs):
+            called.append("optimizer.step()")
+            return _step(*args, **kwargs)
+
+        optimizer.step = step
+    try:
+        yield called
+    finally:
+        for name, original in saved.items():
+            setattr(ok, name, original)
+        store.set(str(me), str(count[0]))  # done: what a peer still waiting needs to know
+
+
+# --------------------------------------------------------------------------- what: the mean
+
+
 def _run(average_parameters):
     import overlapkit as ok  # noqa: PLC0415
 
@@ -33,8 +166,14 @@ def _run(average_parameters):
     own = [p.detach().clone() for p in before]
     everyone = [list(_model(r).parameters()) for r in range(world)]
     want = [sum(ps[i].detach() for ps in everyone) / world for i in range(len(before))]
-    with builtin_collectives() as builtin:
+    with (
+        _recorded_reductions(
+            ok, model, finished="returned from average_parameters", advice="every rank averages"
+        ),  # fmt: skip
+        builtin_collectives() as builtin,
+    ):
         result = average_parameters(model)
+    unwaited = handles.take_unwaited()
     after = list(model.parameters())
     return {
         "same objects": all(a is b for a, b in zip(before, after, strict=True)),
@@ -48,6 +187,7 @@ def _run(average_parameters):
         "rank": me,
         "names": [n for n, _ in model.named_parameters()],
         "builtin": builtin,
+        "never waited": unwaited,
         "returned": result is not None and not isinstance(result, torch.nn.Module),
     }
 
@@ -72,29 +212,109 @@ def check_average_parameters(average_parameters, local_sgd_step=None,
     """Check ``average_parameters(model)`` (every parameter replaced, in place, by its
     mean over the ranks; gradients and buffers untouched) on 2 and 3 ranks; then, when
     given, ``local_sgd_step(model, optimizer, batch, step, k)`` (one SGD step on the
-    rank's batch; the models averaged after steps k, 2k, … and only then)."""
+    rank's batch; the models averaged after steps k, 2k, … and only then) with k = 3 on
+    2 ranks and k = 2 on 3. The check stops at its first failure; the cases after it
+    count as not passed ("not reached"), so the score is out of every case."""
     report = Report("average_parameters")
-    for world in (2, 3):
-        what = f"average_parameters on {world} ranks"
-        results = run_or_report(
-            report,
-            what,
-            _run,
-            average_parameters,
-            world_size=world,
-            timeout=timeout,
-            link=CHECK_LINK,
-            explain=_explain,
-        )
-        if results is None or not _judge(report, what, results, world):
-            return report
-        report.ok(
-            f"{what}: every parameter is the mean over the ranks, in place; gradients "
-            "and buffers untouched"
-        )
+    cases = [("what", world, None) for world in WORLDS]
     if local_sgd_step is not None:
-        _check_local_sgd(report, local_sgd_step, timeout)
+        cases += [("when", world, k) for world, k in LOCAL_CASES]
+    for n, (part, world, k) in enumerate(cases):
+        if part == "what":
+            passed = _check_average(report, average_parameters, world, timeout)
+        else:
+            passed = _check_local_sgd(report, local_sgd_step, world, k, timeout)
+        if not passed:
+            for _, w, kk in cases[n + 1 :]:
+                report.fail(f"{_case_name(w, kk)}: {_SKIPPED}")
+            break
     return report
+
+
+def _case_name(world: int, k: int | None) -> str:
+    if k is None:
+        return f"average_parameters on {world} ranks"
+    return f"local_sgd_step on {world} ranks, k = {k}"
+
+
+def _check_average(report: Report, average_parameters, world: int, timeout: float) -> bool:
+    what = _case_name(world, None)
+    results = run_or_report(report, what, _run, average_parameters, world_size=world,
+                            timeout=timeout, link=CHECK_LINK, explain=_explain)  # fmt: skip
+    if results is None or not _judge(report, what, results, world):
+        return False
+    report.ok(
+        f"{what}: every parameter is the mean over the ranks, in place; gradients "
+        "and buffers untouched"
+    )
+    return True
+
+
+def _never_waited(report: Report, what: str, rank: int, unwaited: list[str], nan: bool) -> None:
+    read = (
+        "; what it read in the meantime is NaN (the check poisons a tensor while an "
+        "operation on it is in flight)"
+        if nan
+        else ""
+    )
+    report.fail(
+        f"{what}: rank {rank} never waited for {len(unwaited)} operation(s), e.g. "
+        f"{unwaited[0]}{read}: call .wait() on every handle before reading the tensor it "
+        "delivers, and before returning"
+    )
+
+
+def _divisor(got: torch.Tensor, total: torch.Tensor) -> float | None:
+    """The d with got = total / d in every element, when there is one."""
+    mask = got.abs() > 1e-4
+    if not mask.any():
+        return None
+    d = (total[mask] / got[mask]).median().item()
+    if not math.isfinite(d) or d <= 0:
+        return None
+    return d if torch.allclose(got, total / d, atol=1e-5, rtol=1e-4) else None
+
+
+def _mean_hint(got, res, i, world) -> str:
+    """Why a parameter is not the mean, when its value says so."""
+    if got.isnan().any():
+        return (
+            " — NaN: the check poisons a tensor while an operation on it is in flight, so "
+            "this was read before that operation's wait(): wait for each handle before "
+            "reading what it delivers"
+        )
+    # averaged: now the mean, and not already the mean before (equal on every rank)
+    rows = zip(res["values"], res["want"], res["own"], res["names"], strict=True)
+    right = [n for v, m, o, n in rows if _close(v, m) and not _close(o, m)]
+    if right:
+        return f" — {right[0]!r} is averaged, this one is not: is every parameter averaged?"
+    if torch.equal(got, res["own"][i]):
+        grads = [g for g in res["grads"] if g is not None]
+        if any(not torch.allclose(g, torch.full_like(g, res["grad_want"])) for g in grads):
+            return (
+                " — this rank's own value, unchanged, while its .grad changed: average the "
+                "parameters themselves (not their .grad), in place"
+            )
+        return (
+            " — this rank's own value, unchanged: the average must land in the parameters "
+            "themselves (in place, or copied back)"
+        )
+    d = _divisor(got, res["sums"][i])
+    if d is None:
+        return ""
+    if abs(d - 1) < 1e-3:
+        return f" — that is the sum over the {world} ranks: divide by the world size (or op='avg')"
+    if abs(d - world * world) < 1e-3:
+        return (
+            f" — that is the mean divided by {world} once more: op='avg' already divides "
+            "by the world size"
+        )
+    if abs(d - round(d)) < 1e-3:
+        return (
+            f" — that is the sum divided by {round(d)} with N = {world} ranks: divide by "
+            "ok.world_size() (or use op='avg'), not a fixed number"
+        )
+    return ""
 
 
 def _judge(report, what, results, world) -> bool:
@@ -102,34 +322,20 @@ def _judge(report, what, results, world) -> bool:
         if refused_rank(report, what, rank, res, traffic,
                         "average with the kit's ok.ring_all_reduce"):  # fmt: skip
             return False
+        if res["never waited"]:
+            nan = any(v.isnan().any() for v in res["values"])
+            _never_waited(report, what, rank, res["never waited"], nan)
+            return False
         for i, (got, want, name) in enumerate(
             zip(res["values"], res["want"], res["names"], strict=True)
         ):
-            if torch.allclose(got, want, atol=1e-5):
+            if _close(got, want):
                 continue
-            j = int((got - want).abs().argmax())
+            j = worst_element((got - want).abs(), 0.0)
             g, w = got.reshape(-1)[j].item(), want.reshape(-1)[j].item()
-            # averaged: now the mean, and not already the mean before (equal on every rank)
-            rows = zip(res["values"], res["want"], res["own"], res["names"], strict=True)
-            right = [n for v, m, o, n in rows if _close(v, m) and not _close(o, m)]
-            if right:
-                hint = (f" — {right[0]!r} is averaged, this one is not: is every parameter "
-                        "averaged?")  # fmt: skip
-            elif torch.equal(got, res["own"][i]):
-                hint = (
-                    " — this rank's own value, unchanged: the parameters themselves must be "
-                    "averaged (not their .grad), in place"
-                )
-            elif torch.allclose(got, res["sums"][i], atol=1e-4):
-                hint = (
-                    f" — that is the sum over the {world} ranks: divide by the world size "
-                    "(or op='avg')"
-                )
-            else:
-                hint = ""
             report.fail(
                 f"{what}: rank {rank}, parameter {name!r} (#{i}), element {j}: expected "
-                f"the mean {w:.5f}, got {g:.5f}{hint}"
+                f"the mean {w:.5f}, got {g:.5f}{_mean_hint(got, res, i, world)}"
             )
             return False
         if not res["same objects"]:
@@ -156,9 +362,6 @@ def _judge(report, what, results, world) -> bool:
 
 
 # --------------------------------------------------------------------------- when: local SGD
-
-K, STEPS, LR = 3, 7, 0.1  # averaged after steps 3 and 6; step 7 drifts apart again
-_KIT_REDUCTIONS = ("ring_all_reduce", "naive_all_reduce", "bucketed_all_reduce")
 
 
 def _sgd_model() -> torch.nn.Module:
@@ -196,16 +399,19 @@ class _SGD:
         return loss
 
 
+BATCH = 6  # samples (and targets) per batch
+
+
 def _batch(rank: int, step: int):
     gen = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(6, 3, generator=gen), torch.randn(6, 1, generator=gen)
+    return torch.randn(BATCH, 3, generator=gen), torch.randn(BATCH, 1, generator=gen)
 
 
 def _flat(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def _reference(world: int, zero_grad: bool = True) -> list[list[torch.Tensor]]:
+def _reference(world: int, k: int, zero_grad: bool = True) -> list[list[torch.Tensor]]:
     """Local SGD on ``world`` simulated ranks: [rank][step − 1] -> flat parameters."""
     models = [_sgd_model() for _ in range(world)]
     out: list[list[torch.Tensor]] = [[] for _ in range(world)]
@@ -218,7 +424,7 @@ def _reference(world: int, zero_grad: bool = True) -> list[list[torch.Tensor]]:
             with torch.no_grad():
                 for p in model.parameters():
                     p -= LR * p.grad
-        if step % K == 0:
+        if step % k == 0:
             with torch.no_grad():
                 for ps in zip(*(m.parameters() for m in models), strict=True):
                     mean = sum(p.detach() for p in ps) / world
@@ -229,78 +435,50 @@ def _reference(world: int, zero_grad: bool = True) -> list[list[torch.Tensor]]:
     return out
 
 
-@contextlib.contextmanager
-def _recorded_reductions(ok, model, optimizer):
-    """Record, in one list, the kit's AllReduces (with what they reduce: a parameter, a
-    gradient, or another tensor) and the optimizer's steps, in the order they ran."""
-    called: list[str] = []
-
-    def what(tensor) -> str:
-        if isinstance(tensor, (list, tuple)) and tensor:
-            tensor = tensor[0]
-        if not isinstance(tensor, torch.Tensor):
-            return ""
-        ptr = tensor.data_ptr()
-        if any(p.grad is not None and p.grad.data_ptr() == ptr for p in model.parameters()):
-            return "gradient"
-        return "parameter" if any(p.data_ptr() == ptr for p in model.parameters()) else ""
-
-    def recorder(original, name):
-        def call(tensor, *args, **kwargs):
-            called.append(f"ok.{name}({what(tensor)})")
-            return original(tensor, *args, **kwargs)
-
-        return call
-
-    def step(*args, _step=optimizer.step, **kwargs):
-        called.append("optimizer.step()")
-        return _step(*args, **kwargs)
-
-    saved = {name: getattr(ok, name) for name in _KIT_REDUCTIONS}
-    for name, original in saved.items():
-        setattr(ok, name, recorder(original, name))
-    optimizer.step = step
-    try:
-        yield called
-    finally:
-        for name, original in saved.items():
-            setattr(ok, name, original)
-
-
-def _run_local_sgd(local_sgd_step):
+def _run_local_sgd(local_sgd_step, k: int):
     import overlapkit as ok  # noqa: PLC0415
 
     me, world = ok.rank(), ok.world_size()
     model = _sgd_model()
     optimizer = _SGD(model.parameters(), lr=LR)
-    after, events = [], []
-    with _recorded_reductions(ok, model, optimizer) as called, builtin_collectives() as builtin:
+    after, events, at = [], [], [0]
+    with (
+        _recorded_reductions(ok, model, optimizer, finished=f"finished all {STEPS} steps",
+                             advice="every rank averages, after the same steps",
+                             where=lambda: f" (in step {at[0]})") as called,
+        builtin_collectives() as builtin,
+    ):  # fmt: skip
         for step in range(1, STEPS + 1):
-            start = len(called)
-            local_sgd_step(model, optimizer, _batch(me, step), step, K)
+            at[0], start = step, len(called)
+            local_sgd_step(model, optimizer, _batch(me, step), step, k)
             events.append(list(called[start:]))
             after.append(_flat(model))
     return {
         "after": after,
         "events": events,
-        "want": _reference(world)[me],
-        "unzeroed": _reference(world, zero_grad=False)[me],
+        "want": _reference(world, k)[me],
+        "unzeroed": _reference(world, k, zero_grad=False)[me],
         "builtin": builtin,
+        "never waited": handles.take_unwaited(),
     }
 
 
-def _check_local_sgd(report: Report, local_sgd_step, timeout: float) -> None:
-    for world in (2, 3):
-        what = f"local_sgd_step on {world} ranks, k = {K}"
-        results = run_or_report(report, what, _run_local_sgd, local_sgd_step, world_size=world,
-                                timeout=timeout, link=CHECK_LINK, explain=_explain)  # fmt: skip
-        if results is None or not _judge_local_sgd(report, what, results):
-            return
-        report.ok(
-            f"{what}: each rank followed its own batches, and after steps "
-            f"{', '.join(str(s) for s in range(K, STEPS + 1, K))} (and only then) every "
-            "rank held the mean of the ranks' models"
-        )
+def _steps(k: int) -> list[int]:
+    return list(range(k, STEPS + 1, k))
+
+
+def _check_local_sgd(report: Report, local_sgd_step, world: int, k: int, timeout: float) -> bool:
+    what = _case_name(world, k)
+    results = run_or_report(report, what, _run_local_sgd, local_sgd_step, k, world_size=world,
+                            timeout=timeout, link=CHECK_LINK, explain=_explain)  # fmt: skip
+    if results is None or not _judge_local_sgd(report, what, results, k):
+        return False
+    report.ok(
+        f"{what}: each rank followed its own batches, and after steps "
+        f"{', '.join(map(str, _steps(k)))} (and only then) every rank held the mean of the "
+        "ranks' models"
+    )
+    return True
 
 
 def _averaging(events: list[str]) -> tuple[int, int]:
@@ -311,12 +489,54 @@ def _averaging(events: list[str]) -> tuple[int, int]:
     return len(events[:at]), sum(e != "optimizer.step()" for e in events[at + 1 :])
 
 
-def _judge_local_sgd(report, what, results) -> bool:
+def _fixed_period(results, k: int) -> int | None:
+    """The period k' ≠ k (≥ 2) with which the ranks' models were averaged, when they
+    agreed exactly after steps k', 2k', … and every rank communicated in those steps
+    only (a number written in place of k)."""
+    agreed = [
+        s
+        for s in range(1, STEPS + 1)
+        if all(_close(res["after"][s - 1], results[0][0]["after"][s - 1]) for res, _ in results)
+    ]
+    if not agreed or agreed[0] in (1, k) or agreed != _steps(agreed[0]):
+        return None
+    talked = [
+        [s for s, ev in enumerate(res["events"], 1) if any(e != "optimizer.step()" for e in ev)]
+        for res, _ in results
+    ]
+    return agreed[0] if all(t == agreed for t in talked) else None
+
+
+def _scaled_update(got, want, before) -> float | None:
+    """c when this step moved the parameters c times as far as local SGD's, in its
+    direction (c ≠ 1); None otherwise."""
+    moved, should = got - before, want - before
+    norm = float(should @ should)
+    if norm == 0:
+        return None
+    c = float(moved @ should) / norm
+    same_way = torch.allclose(moved, c * should, rtol=1e-3, atol=1e-6)
+    return c if same_way and abs(c - 1) > 1e-3 else None
+
+
+def _judge_local_sgd(report, what, results, k) -> bool:
     for rank, (res, traffic) in enumerate(results):
         if refused_rank(report, what, rank, res, traffic,
                         "average with the kit's ok.ring_all_reduce"):  # fmt: skip
             return False
-    periods = ", ".join(str(s) for s in range(K, STEPS + 1, K))
+        if res["never waited"]:
+            nan = any(a.isnan().any() for a in res["after"])
+            _never_waited(report, what, rank, res["never waited"], nan)
+            return False
+    periods = ", ".join(map(str, _steps(k)))
+    fixed = _fixed_period(results, k)
+    if fixed is not None:
+        report.fail(
+            f"{what}: the ranks averaged after steps {', '.join(map(str, _steps(fixed)))} — "
+            f"every {fixed} steps, with k = {k}: average every k steps (the argument k), "
+            "not a fixed number"
+        )
+        return False
     for i in range(STEPS):
         step = i + 1
         off = [
@@ -330,13 +550,23 @@ def _judge_local_sgd(report, what, results) -> bool:
         agree = all(_close(r["after"][i], first) for r, _ in results)
         before, after = _averaging(res["events"][i])
         of_grads = any("(gradient)" in e for e in res["events"][i])
-        if agree and step % K:
+        of_params = any("(parameter)" in e for e in res["events"][i])
+        if agree and step % k and of_grads and not of_params:
+            every = all(any("(gradient)" in e for e in ev) for ev in res["events"])
+            when = "in every step" if every else f"in step {step}"
+            report.fail(
+                f"{what}: rank {rank} all-reduced the gradients {when}, so every rank took "
+                "the same update and the models never drifted apart: that is synchronous "
+                f"SGD. Local SGD communicates only after steps {periods}, … (k = {k}), and "
+                "then averages the parameters"
+            )
+        elif agree and step % k:
             report.fail(
                 f"{what}: after step {step} every rank holds the same model: rank {rank} "
-                f"averaged at step {step}. Local SGD lets each rank take k = {K} steps on its "
+                f"averaged at step {step}. Local SGD lets each rank take k = {k} steps on its "
                 f"own batches, and averages after steps {periods}, … (steps count from 1)"
             )
-        elif step % K == 0 and not agree:
+        elif step % k == 0 and not agree:
             if of_grads:
                 why = (
                     f"rank {rank} averaged the gradients at step {step}: the ranks still "
@@ -357,7 +587,7 @@ def _judge_local_sgd(report, what, results) -> bool:
                     f"is no average. Average at the end of step {step}, after "
                     "optimizer.step()"
                     if late
-                    else f": with k = {K}, average after steps {periods}, …"
+                    else f": with k = {k}, average after steps {periods}, …"
                 )
             else:
                 why = (
@@ -368,14 +598,31 @@ def _judge_local_sgd(report, what, results) -> bool:
             report.fail(f"{what}: after step {step} the ranks' models differ: {why}")
         else:
             got, want = res["after"][i], res["want"][i]
-            j = int((got - want).abs().argmax())
-            hint = (
-                ": the gradients of earlier steps were added in — clear them every step "
-                "(optimizer.zero_grad())"
-                if _close(got, res["unzeroed"][i])
-                else ": one step is the mean squared error of this rank's batch, backward, "
-                "and one optimizer.step()"
-            )
+            j = worst_element((got - want).abs(), 0.0)
+            start = res["want"][i - 1] if i else _flat(_sgd_model())
+            scale = _scaled_update(got, want, start) if step % k else None
+            if _close(got, res["unzeroed"][i]):
+                hint = (
+                    ": the gradients of earlier steps were added in — clear them every step "
+                    "(optimizer.zero_grad())"
+                )
+            elif scale is not None and abs(scale - BATCH) < 1e-2 * BATCH:
+                hint = (
+                    f": this step moved the parameters {BATCH}× as far as local SGD's, and "
+                    f"the batch has {BATCH} targets — the loss summed the squared errors; use "
+                    "their mean (torch.nn.functional.mse_loss's default reduction)"
+                )
+            elif scale is not None:
+                hint = (
+                    f": this step moved the parameters {scale:.3g}× as far as local SGD's, in "
+                    "the same direction: one step is the mean squared error of this rank's "
+                    "batch, backward, and one optimizer.step()"
+                )
+            else:
+                hint = (
+                    ": one step is the mean squared error of this rank's batch, backward, "
+                    "and one optimizer.step()"
+                )
             report.fail(
                 f"{what}: after step {step}, rank {rank}'s parameters differ from local "
                 f"SGD's (element {j}: expected {want[j].item():.5f}, got {got[j].item():.5f})"
