@@ -12,6 +12,12 @@ A region ``### BEGIN HIDDEN TESTS`` … ``### END HIDDEN TESTS`` is removed, as
 are ``# NBVAL_...`` directives (meant for the test run, not for learners), and
 every output. In markdown cells a solution region becomes "YOUR ANSWER HERE".
 
+Each lab carries its identity in its metadata, so the grader knows it under any file
+name: ``metadata["overlapkit"] = {"lab": "05", "name": "05_async_ops", "version": "0.1.0"}``
+(the kit's version; a new version makes every lab stale until ``make labs``). Only labs
+are stamped: ``solutions/`` is the source and this module never writes it (graded, a
+solution is known by its file name).
+
 Commands (``python -m overlapkit.labgen ...``)::
 
     generate [--check] [SOLUTIONS] [LABS]   write labs/ (or, with --check, list stale ones)
@@ -80,9 +86,24 @@ def has_exercise(source: str) -> bool:
     return any(line.strip() == BEGIN for line in source.split("\n"))
 
 
+def stamp(nb: nbformat.NotebookNode, name: str) -> None:
+    """Write the lab's identity into a notebook's metadata (see the module's docstring)."""
+    from overlapkit import __version__  # noqa: PLC0415
+
+    stem = Path(name).stem
+    number = re.match(r"\d+", stem)
+    nb.metadata["overlapkit"] = {
+        "lab": number.group() if number else stem,
+        "name": stem,
+        "version": __version__,
+    }
+
+
 def make_lab(solution: nbformat.NotebookNode, name: str = "notebook") -> nbformat.NotebookNode:
-    """The student notebook for a solution notebook (a new object; the input is untouched)."""
+    """The student notebook for a solution notebook (a new object; the input is untouched),
+    stamped with the lab's identity (``name``: the solution's file name)."""
     lab = copy.deepcopy(solution)
+    stamp(lab, name)
     for i, cell in enumerate(lab.cells):
         cell.source = lab_cell_source(cell.source, cell.cell_type, f"{name}, cell {i}")
         if cell.cell_type == "code":

@@ -8,6 +8,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
 
+import overlapkit
 from overlapkit import labgen
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,6 +72,22 @@ def test_generate_writes_reports_and_removes_strays(tmp_path):
     assert labgen.generate(sol, labs, check=True) == []
     assert sorted(p.name for p in labs.iterdir()) == ["a.ipynb"]
     assert "raise NotImplementedError" in (labs / "a.ipynb").read_text()
+    stamp = nbformat.read(labs / "a.ipynb", as_version=4).metadata["overlapkit"]
+    assert stamp == {"lab": "a", "name": "a", "version": overlapkit.__version__}
+
+
+def test_every_generated_lab_carries_its_identity_and_the_solutions_do_not():
+    """The grader finds a lab under any file name by this stamp."""
+    labs = sorted((ROOT / "labs").glob("*.ipynb"))
+    assert labs
+    for path in labs:
+        stamp = nbformat.read(path, as_version=4).metadata.get("overlapkit")
+        number = path.stem.split("_")[0]
+        assert stamp == {"lab": number, "name": path.stem, "version": overlapkit.__version__}, (
+            path.name
+        )
+        solution = nbformat.read(ROOT / "solutions" / path.name, as_version=4)
+        assert "overlapkit" not in solution.metadata, path.name
 
 
 def test_labs_are_what_the_generator_makes_from_solutions():
