@@ -9,27 +9,36 @@ import nbformat
 
 from .judge import run_check
 from .kernel import execute
-from .labs import LABS, Exercise, _normal, exercises_of
+from .labs import LABS, Exercise, check_calls, check_cell_problem, exercises_of, identify
 
 
 def grade_notebook(path: Path, labs: Path = LABS, cell_limit: float = 120.0,
-                   total_limit: float = 600.0, check_limit: float = 300.0) -> dict:  # fmt: skip
-    lab_path = labs / path.name
+                   total_limit: float = 600.0, check_limit: float = 300.0,
+                   lab: str | int | None = None) -> dict:  # fmt: skip
+    """Grade the notebook at ``path`` against the lab it was made from, found in ``labs``
+    by ``lab`` (the CLI's ``--lab NN``), else its overlapkit metadata, else its file name
+    (see ``labs.identify``)."""
+    path = Path(path)
     result = {"notebook": str(path), "score": 0.0, "max_score": 0.0, "exercises": []}
-    if not lab_path.exists():
-        result["error"] = f"no lab named {path.name} in {labs}: not a lab of this kit"
-        return result
-    lab = nbformat.read(lab_path, as_version=4)
-    exercises = exercises_of(lab)
-    result["max_score"] = sum(ex.points for ex in exercises)
     try:
-        student = nbformat.read(path, as_version=4)
+        student, unreadable = nbformat.read(path, as_version=4), None
     except Exception as exc:  # noqa: BLE001 - an unreadable file scores 0, with its reason
+        student, unreadable = None, exc
+    identity = identify(path, labs, student.metadata if student is not None else {}, lab)
+    if identity.error:
+        result["error"] = identity.error
+        if unreadable is not None:
+            result["error"] += f" (and the notebook could not be read: {unreadable})"
+        return result
+    result["lab"], result["lab_from"] = identity.path.stem, identity.how
+    exercises = exercises_of(nbformat.read(identity.path, as_version=4))
+    result["max_score"] = sum(ex.points for ex in exercises)
+    if unreadable is not None:
         for ex in exercises:
-            ex.feedback.append(f"the notebook could not be read: {exc}")
+            ex.feedback.append(f"the notebook could not be read: {unreadable}")
         result["exercises"] = [_entry(ex) for ex in exercises]
         return result
-    kept = {_normal(c.source) for c in student.cells if c.cell_type == "code"}
+    kept = check_calls(student)
     names = sorted({n for ex in exercises for n in ex.names})
     cwd = str(path.parent.resolve())
     with tempfile.TemporaryDirectory(prefix="overlapkit-grade-") as folder:
@@ -38,15 +47,16 @@ def grade_notebook(path: Path, labs: Path = LABS, cell_limit: float = 120.0,
             _grade_one(ex, found, kept, folder, check_limit, cwd)
     result["exercises"] = [_entry(ex) for ex in exercises]
     result["score"] = round(sum(ex.earned for ex in exercises), 4)
+    notes = identity.notes + notes
     if notes:
         result["notes"] = notes
     return result
 
 
-def _grade_one(ex: Exercise, found: dict, kept: set, folder: str, limit: float, cwd: str):
-    if ex.source not in kept:
-        ex.feedback.append(f"the check cell `{ex.source}` was edited or deleted: the exercise "
-                           "scores 0 (restore the cell as the lab has it)")  # fmt: skip
+def _grade_one(ex: Exercise, found: dict, kept: list, folder: str, limit: float, cwd: str):
+    problem = check_cell_problem(ex, kept)  # the lab's check call, compared by its parsed code
+    if problem:
+        ex.feedback.append(problem)
         return
     if found and not found.get("__ok__", True):
         ex.feedback.append("the notebook binds `ok` to something else than the overlapkit "
