@@ -23,8 +23,9 @@ def by_student(results: list[dict]) -> dict[str, list[dict]]:
 
 def gradescope(results: list[dict]) -> dict:
     """Gradescope's results.json for one submission (one student's results): one test per
-    exercise, named ``lab: exercise`` when the submission holds more than one lab; what
-    concerns a whole notebook (it could not be graded, its notes) goes to ``output``.
+    exercise (its ✔/✘ lines as ``output``; Gradescope marks it passed when ``score`` is
+    ``max_score``), named ``lab: exercise`` when the submission holds more than one lab;
+    what concerns a whole notebook (it could not be graded, its notes) goes to ``output``.
     Schema: https://gradescope-autograders.readthedocs.io/en/latest/specs/"""
     tests, output = [], []
     several = len(results) > 1
@@ -34,15 +35,12 @@ def gradescope(results: list[dict]) -> dict:
             output.append(f"{r['notebook']}: not graded: {r['error']}")
         output += [f"{r['notebook']}: {note}" for note in r.get("notes", [])]
         for ex in r["exercises"]:
-            passed = ex["points"] >= ex["max_points"]
             tests.append(
                 {
                     "name": f"{name}: {ex['name']}" if several else ex["name"],
                     "score": ex["points"],
                     "max_score": ex["max_points"],
-                    "status": "passed" if passed else "failed",
                     "output": ex["feedback"],
-                    "output_format": "text",
                 }
             )
     out = {"score": round(sum(r["score"] for r in results), 4), "tests": tests}
@@ -51,7 +49,6 @@ def gradescope(results: list[dict]) -> dict:
         out["execution_time"] = round(sum(seconds))
     if output:
         out["output"] = "\n".join(output)
-        out["output_format"] = "text"
     return out
 
 
