@@ -9,6 +9,7 @@ tiny lab of tests/test_grade.py end to end.
 import csv
 import io
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -284,3 +285,19 @@ def test_grading_nbgraders_layout_end_to_end_into_a_gradebook(tmp_path, labs):
     }
     assert totals == {"alice": "6.0", "bob": "3.0"}
     assert "summary: 2 notebooks, 2 students" in done.stderr
+
+
+def test_jobs_grade_several_notebooks_at_once_and_keep_the_order(
+    tmp_path, labs, fake_grading, capsys
+):
+    if multiprocessing.get_start_method() != "fork":
+        pytest.skip("the made-up grader reaches the workers only when they are forked")
+    students = ("alice", "bad_bob", "carol", "dan")
+    assert cli.main([str(_class(tmp_path, students)), "--labs", str(labs), "--jobs", "2"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert [(r["student"], r["score"]) for r in results] == [
+        ("alice", 6.0),
+        ("bad_bob", 4.5),
+        ("carol", 6.0),
+        ("dan", 6.0),
+    ]
