@@ -30,7 +30,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from . import handles, p2p
+from . import handles, p2p, plaindata
 
 #: faulthandler marks each dump with this header; the caller looks for it.
 DUMP_SIGNAL = signal.SIGUSR1
@@ -50,6 +50,7 @@ class RankSpec:
     env: dict = field(default_factory=dict)
     link: object = None  # an overlapkit.p2p.Link for the kit's messages, or None
     shm_dir: str | None = None  # where emulated messages' bytes go (overlapkit.shm)
+    plain: bool = False  # the caller reads the value as plain data (overlapkit.plaindata)
 
 
 def log_path(log_dir: str, rank: int) -> str:
@@ -122,11 +123,13 @@ def _user_frames(exc: BaseException) -> list[tuple[str, int, str, str]]:
     return [(f.filename, f.lineno or 0, f.name, f.line or "") for f in kept]
 
 
-def error_message(exc: BaseException) -> tuple:
+def error_message(exc: BaseException, pickled: bool = True) -> tuple:
     """("error", pickled exception or None, type name, str, frames, chained text)."""
+    exc_bytes = None
     try:
-        exc_bytes = cloudpickle.dumps(exc)
-        pickle.loads(exc_bytes)  # some exceptions pickle but cannot be rebuilt
+        if pickled:  # a caller that reads plain data rebuilds it from its name instead
+            exc_bytes = cloudpickle.dumps(exc)
+            pickle.loads(exc_bytes)  # some exceptions pickle but cannot be rebuilt
     except Exception:
         exc_bytes = None
     chained = ""
@@ -174,9 +177,9 @@ def main(spec: RankSpec, rank: int, conn) -> None:
         p2p.set_link(spec.link)
         value = fn(*args, **kwargs)
         handles.report_unwaited()  # an op started and never waited is named, not hidden
-        message = ("ok", dumps_result(value))
+        message = ("ok", plaindata.dumps(value) if spec.plain else dumps_result(value))
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
-        message = error_message(exc)
+        message = error_message(exc, pickled=not spec.plain)
     data = pickle.dumps(message)  # bytes and strings only: cannot fail
     _flush_all()
     conn.send_bytes(data)

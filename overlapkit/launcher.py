@@ -50,7 +50,7 @@ import warnings
 import cloudpickle
 import torch.distributed as dist
 
-from . import _rank, handles, p2p, runtime
+from . import _rank, handles, p2p, plaindata, runtime
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -226,6 +226,7 @@ def launch(
         env=dict(os.environ),
         link=link,
         shm_dir=shm_dir,
+        plain=not plaindata.trusting(),
     )
     ranks = _Ranks(spec)
     interrupted = False
@@ -252,7 +253,47 @@ def launch(
         raise _timeout_error(outcome.running, world_size, timeout, stacks)
     if outcome.failure is not None:
         raise _rebuild_failure(outcome, world_size, logs)
+    if spec.plain:
+        return [_plain_value(outcome.values[r], r) for r in range(world_size)]
     return [cloudpickle.loads(outcome.values[r]) for r in range(world_size)]
+
+
+def _plain_value(data, rank: int):
+    """A rank's value read as plain data (the caller distrusts its ranks)."""
+    try:
+        if not isinstance(data, bytes):
+            raise plaindata.NotPlainData("the message held no value")
+        return plaindata.loads(data)
+    except plaindata.NotPlainData as exc:
+        raise RankFailedError(
+            f"rank {rank} returned a value that cannot be read: {exc}", rank
+        ) from None
+
+
+def _read_message(data: bytes, plain: bool):
+    """A rank's message: ("ok", value bytes) or ("error", exc bytes, type name, text, frames,
+    chained). From a distrusted rank it is read with no class allowed and its shape checked:
+    a message that is anything else becomes an error of the rank's."""
+    if not plain:
+        return pickle.loads(data)
+    try:
+        message = plaindata.message(data)
+    except Exception as exc:  # noqa: BLE001 - what a rank sends is the rank's affair
+        return ("error", None, "MalformedMessage", f"the rank's message could not be read: {exc}",
+                [], "")  # fmt: skip
+    if isinstance(message, tuple) and len(message) == 2 and message[0] == "ok":
+        if isinstance(message[1], bytes):
+            return message
+    elif isinstance(message, tuple) and len(message) == 6 and message[0] == "error":
+        _, _, type_name, text, frames, chained = message
+        frames_ok = isinstance(frames, list) and all(
+            isinstance(f, tuple) and len(f) == 4 and isinstance(f[1], int)
+            and all(isinstance(x, str) for x in (f[0], f[2], f[3])) for f in frames
+        )  # fmt: skip
+        if isinstance(type_name, str) and isinstance(text, str) and isinstance(chained, str):
+            if frames_ok:
+                return ("error", None, type_name, text, frames, chained)
+    return ("error", None, "MalformedMessage", "the rank sent a message of another shape", [], "")
 
 
 class _Outcome:
@@ -261,6 +302,7 @@ class _Outcome:
         self.errors: dict[int, tuple] = {}
         self.running: list[int] = list(range(world))
         self.timed_out = False
+        self.plain = False  # the values and errors are read as plain data
 
     @property
     def failure(self) -> tuple[int, tuple] | None:
@@ -318,6 +360,7 @@ class _Ranks:
 
     def wait(self, timeout: float | None) -> _Outcome:
         out = _Outcome(self.spec.world_size)
+        out.plain = self.spec.plain
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = {self.conns[r]: r for r in range(len(self.procs))}
         while pending:
@@ -344,9 +387,10 @@ class _Ranks:
 
     def _receive(self, conn, rank: int, out: _Outcome) -> None:
         try:
-            message = pickle.loads(conn.recv_bytes())
+            data = conn.recv_bytes()
         except (EOFError, OSError):
-            message = None
+            data = None
+        message = None if data is None else _read_message(data, plain=self.spec.plain)
         if message is not None and message[0] == "ok":
             out.values[rank] = message[1]
             self._finished[rank] = True
@@ -570,7 +614,9 @@ def _rebuild_failure(outcome: _Outcome, world: int, logs=()) -> BaseException:
         remote = chained + "\nThe above exception was the direct cause of the following one:\n\n"
     remote += _format_frames(frames) + f"\n{type_name}: {text}"
     exc = None
-    if exc_bytes is not None:
+    if outcome.plain:  # never unpickled: rebuilt from its type's name, built-in or the kit's
+        exc = plaindata.rebuild_exception(type_name, text)
+    elif exc_bytes is not None:
         try:
             exc = cloudpickle.loads(exc_bytes)
         except Exception:

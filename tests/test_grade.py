@@ -99,11 +99,12 @@ def test_one_broken_exercise_gives_partial_marks_with_its_reason(tmp_path, labs)
 def test_a_hanging_cell_and_a_hanging_exercise_are_scored_within_the_limits(tmp_path, labs):
     hang = "def one_f_one_b(stages, micro_batches):\n    while True:\n        pass"
     nb = _notebook(hang, ASSIGN, extra=["import time\ntime.sleep(600)"])
-    result = grade_notebook(_student(tmp_path, nb), labs, cell_limit=3, check_limit=8)
+    # limits long enough for a loaded machine to import torch in the kernel and the judge
+    result = grade_notebook(_student(tmp_path, nb), labs, cell_limit=15, check_limit=40)
     ex = _by_name(result)
-    assert "did not finish within 8 s" in ex["1f1b_schedule"]["feedback"]
+    assert "did not finish within 40 s" in ex["1f1b_schedule"]["feedback"]
     assert ex["assign_buckets"]["points"] == 3.0  # the rest still scores
-    assert any("ran past the 3 s limit per cell" in n for n in result["notes"])
+    assert any("ran past the 15 s limit per cell" in n for n in result["notes"])
 
 
 def test_an_edited_check_cell_scores_zero_and_does_not_raise_the_score(tmp_path, labs):
@@ -128,12 +129,12 @@ def test_a_notebook_with_its_own_ok_scores_zero_with_the_reason(tmp_path, labs):
 
 
 def test_grading_a_folder_prints_one_result_per_notebook_and_gradescope_json(tmp_path, labs):
-    for i in range(5):
+    for i in range(2):  # each notebook takes a kernel and two judges: ~30 s on a busy machine
         nb = _notebook(ONE_F_ONE_B if i % 2 else UNFINISHED.format(name="one_f_one_b"), ASSIGN)
         _student(tmp_path, nb, f"student{i}.ipynb")
     # the graded notebooks are named as the lab they come from
     (labs / "student0.ipynb").write_text((labs / "99_grading_test.ipynb").read_text())
-    for i in range(1, 5):
+    for i in range(1, 2):
         (labs / f"student{i}.ipynb").write_text((labs / "99_grading_test.ipynb").read_text())
     cmd = [
         sys.executable,
@@ -146,13 +147,13 @@ def test_grading_a_folder_prints_one_result_per_notebook_and_gradescope_json(tmp
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     results = json.loads(done.stdout)
-    assert [r["score"] for r in results] == [3.0, 6.0, 3.0, 6.0, 3.0]
+    assert [r["score"] for r in results] == [3.0, 6.0]
     out = tmp_path / "results.json"
     done = subprocess.run([*cmd, "--format", "gradescope", "--output", str(out)],
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr
     data = json.loads(out.read_text())
-    assert data["score"] == 21.0 and len(data["tests"]) == 10
+    assert data["score"] == 9.0 and len(data["tests"]) == 4
     assert set(data["tests"][0]) == {"name", "score", "max_score", "output"}
 
 

@@ -1,41 +1,112 @@
-"""Run a lab's original check on a student's saved exercise, in a process of its own."""
+"""Run a lab's original check on a student's saved exercise, in a process of its own.
+
+The judge process decides the verdict, so nothing of the student's runs in it:
+
+* it starts isolated (``python -I``: no ``PYTHON*`` variables, no user site-packages), in
+  an empty folder of its own, with no folder of the student's on ``sys.path``, and
+  imports the kit before it reads anything the notebook left;
+* it never unpickles the student's objects: data (a table, a configuration) is read with
+  PyTorch's weights-only loader, functions and classes stay sealed bytes that unpickle
+  only on ranks (``overlapkit.grading.sealed``), and ranks' results come back as plain
+  data (``overlapkit.plaindata``);
+* it writes its report to a pipe only it was given, with a secret the grader sent it on
+  stdin, and makes itself undumpable (Linux: no other process of this user may read or
+  write its memory or its descriptors); the report is never read from an output stream
+  where ranks' text or a check's messages could forge it.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 
-from .kernel import MARK
 from .labs import Exercise
 
-_RUNNER = f"""
-import json, sys
-import cloudpickle
-import overlapkit as ok
-check, folder = sys.argv[1], sys.argv[2]
-names, kwargs = json.loads(sys.argv[3]), json.loads(sys.argv[4])
+_RUNNER = r"""
+import sys
+sys.path[:] = [p for p in sys.path if p not in ("", ".")]  # no folder of the student's
+import ctypes, json, os
+try:  # PR_SET_DUMPABLE 0: other processes of this user cannot read our memory or fds
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
+except Exception:
+    pass
+import overlapkit as ok  # the kit first, before anything the notebook left
+from overlapkit import plaindata
+from overlapkit.grading.sealed import Sealed
+plaindata.distrust_from_now()
+secret = sys.stdin.readline().strip()
+out = os.fdopen(int(sys.argv[1]), "w")
+check, folder = sys.argv[2], sys.argv[3]
+names, kwargs, shown = json.loads(sys.argv[4]), json.loads(sys.argv[5]), json.loads(sys.argv[6])
 objs = []
 for n in names:
-    with open(folder + "/" + n + ".pkl", "rb") as f:
-        objs.append(cloudpickle.load(f))
+    data = None
+    try:
+        with open(os.path.join(folder, n + ".pt"), "rb") as f:
+            data = (plaindata.loads(f.read()),)
+    except Exception:
+        pass
+    if data is None:
+        with open(os.path.join(folder, n + ".pkl"), "rb") as f:
+            data = (Sealed(n, f.read(), shown.get(n)),)
+    objs.append(data[0])
 report = getattr(ok.grading, check)(*objs, **kwargs)
-print({MARK!r} + json.dumps(report.to_dict()))
+out.write(json.dumps({"secret": secret, "report": report.to_dict()}))
+out.close()
 """
 
 
-def run_check(ex: Exercise, folder: str, limit: float, cwd: str) -> dict | str:
-    """The lab's check on the saved objects, in a fresh process: its report, or why not."""
+def run_check(ex: Exercise, folder: str, limit: float, shown: dict | None = None) -> dict | str:
+    """The lab's check on the saved objects, in a fresh isolated process (in an empty folder
+    of its own): its report, or why not. ``shown``: the objects' own names, for messages."""
+    secret = secrets.token_hex(16)
+    read, write = os.pipe()
+    chunks: list[bytes] = []
+
+    def drain():
+        with os.fdopen(read, "rb") as pipe:
+            chunks.append(pipe.read())
+
+    reader = threading.Thread(target=drain, daemon=True)
+    with tempfile.TemporaryDirectory(prefix="overlapkit-judge-") as home:
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-c", _RUNNER, str(write), ex.check, folder,
+                 json.dumps(ex.names), json.dumps(ex.kwargs), json.dumps(shown or {})],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                pass_fds=(write,), cwd=home, start_new_session=True,
+            )  # fmt: skip
+        finally:
+            os.close(write)
+        reader.start()
+        try:
+            _, err = proc.communicate(secret.encode() + b"\n", timeout=limit)
+        except subprocess.TimeoutExpired:
+            _end(proc)
+            return f"the check did not finish within {limit:g} s"
+        finally:
+            _end(proc)
+            reader.join(5)
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", _RUNNER, ex.check, folder, json.dumps(ex.names),
-             json.dumps(ex.kwargs)],
-            capture_output=True, text=True, timeout=limit, cwd=cwd,
-        )  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return f"the check did not finish within {limit:g} s"
-    line = next((ln for ln in done.stdout.splitlines() if ln.startswith(MARK)), None)
-    if line is None:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        got = json.loads(b"".join(chunks) or b"null")
+    except ValueError:
+        got = None
+    if not isinstance(got, dict) or got.get("secret") != secret:
+        tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
         return f"the check could not run: {tail[0][:300]}"
-    return json.loads(line[len(MARK) :])
+    return got["report"]
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """The judge and all it started (its ranks' forkserver, the ranks) are one session."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()

@@ -1,9 +1,22 @@
-"""Run a student's notebook in a fresh kernel, within limits, and save its exercises."""
+"""Run a student's notebook in a fresh kernel, within limits, and save its exercises.
+
+The kernel runs in a folder of its own (nothing it writes lands beside the submission or
+on the judge's import path). Limits hold whatever the notebook does: a cell past its limit
+is interrupted, and a kernel that does not stop within :data:`GRACE_S` of the interrupt
+(a loop that catches ``KeyboardInterrupt``, a handler that ignores SIGINT) is ended with
+its whole process group; the notebook's own limit is watched inside cells too. Whatever
+the notebook started (ranks, servers, daemons) is ended when it is done.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
+import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -12,24 +25,35 @@ import nbformat
 from .labs import _is_check_cell
 
 MARK = "@@overlapkit-grade@@"
+GRACE_S = 15.0  # after an interrupt, before the kernel's process group is killed (a loaded
+# machine can take seconds to deliver it: an import in C code does not see it)
+AFTER_HANG_S = 15.0  # the limit of every cell after one that had to be interrupted
 
 
 def _harvest_code(names: list[str], folder: str, real_file: str) -> str:
     grading_file = str(Path(real_file).parent / "grading" / "__init__.py")
     return textwrap.dedent(f"""
         import json as _g_json, sys as _g_sys
-        import cloudpickle as _g_cp
-        _g_found = {{}}
+        from overlapkit.launcher import dumps_keeping_filenames as _g_dumps
+        _g_found = {{"__shown__": {{}}}}
         for _g_name in {names!r}:
             if _g_name not in globals():
                 _g_found[_g_name] = "not defined"
                 continue
+            _g_obj = globals()[_g_name]
             try:
                 with open({folder!r} + "/" + _g_name + ".pkl", "wb") as _g_f:
-                    _g_cp.dump(globals()[_g_name], _g_f)
+                    _g_f.write(_g_dumps(_g_obj))
                 _g_found[_g_name] = "ok"
+                _g_found["__shown__"][_g_name] = str(getattr(_g_obj, "__name__", _g_name))
             except Exception as _g_e:
                 _g_found[_g_name] = f"cannot be saved ({{type(_g_e).__name__}}: {{_g_e}})"
+            if not callable(_g_obj):  # data (a table, a configuration): the judge reads it as such
+                try:
+                    import torch as _g_torch
+                    _g_torch.save(_g_obj, {folder!r} + "/" + _g_name + ".pt")
+                except Exception:
+                    pass
         _g_ok = globals().get("ok")
         _g_found["__ok__"] = _g_ok is None or (getattr(_g_ok, "__file__", None) == {real_file!r})
         _g_gr = globals().get("grading")
@@ -53,11 +77,10 @@ def _errors(cell) -> str | None:
 
 
 def execute(student: nbformat.NotebookNode, names: list[str], folder: str, cell_limit: float,
-            total_limit: float, cwd: str) -> tuple[dict, list[str]]:  # fmt: skip
-    """Run the student's cells, then save the exercise objects; returns (what the harvest
-    found, notes on cells that failed or were skipped)."""
+            total_limit: float) -> tuple[dict, list[str]]:  # fmt: skip
+    """Run the student's cells (in a fresh folder of their own), then save the exercise
+    objects; returns (what the harvest found, notes on cells that failed or were skipped)."""
     from nbclient import NotebookClient  # noqa: PLC0415
-    from nbclient.exceptions import CellTimeoutError, DeadKernelError  # noqa: PLC0415
 
     import overlapkit  # noqa: PLC0415
 
@@ -65,33 +88,135 @@ def execute(student: nbformat.NotebookNode, names: list[str], folder: str, cell_
     nb.cells = [c for c in student.cells if c.cell_type == "code" and not _is_check_cell(c)]
     harvest = nbformat.v4.new_code_cell(_harvest_code(names, folder, overlapkit.__file__))
     nb.cells.append(harvest)
-    client = NotebookClient(nb, timeout=int(cell_limit), interrupt_on_timeout=True,
-                            allow_errors=True, kernel_name="python3",
-                            resources={"metadata": {"path": cwd}})  # fmt: skip
-    notes, start = [], time.monotonic()
-    with client.setup_kernel():
-        for i, cell in enumerate(nb.cells):
-            last = cell is harvest
-            if not last and time.monotonic() - start > total_limit:
-                notes.append(f"the notebook ran past its {total_limit:g} s limit: the cells "
-                             "after that were not run")  # fmt: skip
-                # the harvest still runs: what was defined by then is graded
-                continue
-            began = time.monotonic()
-            try:
-                client.execute_cell(cell, i)
-            except (CellTimeoutError, DeadKernelError) as exc:
-                notes.append(f"cell {i + 1}: {type(exc).__name__}")
-                if isinstance(exc, DeadKernelError):
-                    return {}, [*notes, "the kernel died"]
-            if time.monotonic() - began >= cell_limit:
-                notes.append(f"cell {i + 1} ran past the {cell_limit:g} s limit per cell and "
-                             "was interrupted")  # fmt: skip
-                continue
-            error = _errors(cell)
-            if error and not last:
-                first = cell.source.strip().splitlines()[0][:60] if cell.source.strip() else ""
-                notes.append(f"cell {i + 1} ({first!r}) raised {error}")
+    before = _descendants()
+    with tempfile.TemporaryDirectory(prefix="overlapkit-kernel-") as home:
+        client = NotebookClient(nb, timeout=int(cell_limit), interrupt_on_timeout=True,
+                                allow_errors=True, kernel_name="python3",
+                                resources={"metadata": {"path": home}})  # fmt: skip
+        try:
+            with client.setup_kernel():
+                notes = _run_cells(client, nb, harvest, cell_limit, total_limit)
+        finally:
+            _end_new_processes(before)
+    if notes and notes[-1].startswith("the kernel"):
+        return {}, notes
     text = _stream_text(harvest)
     line = next((ln for ln in text.splitlines() if ln.startswith(MARK)), None)
-    return (json.loads(line[len(MARK) :]) if line else {}), notes
+    try:
+        found = json.loads(line[len(MARK) :]) if line else {}
+    except ValueError:
+        found = {}
+    return (found if isinstance(found, dict) else {}), notes
+
+
+def _run_cells(client, nb, harvest, cell_limit: float, total_limit: float) -> list[str]:
+    """Each cell under a watchdog; returns the notes (the last one says so if the kernel
+    had to be ended: nothing can be harvested then)."""
+    from nbclient.exceptions import CellTimeoutError, DeadKernelError  # noqa: PLC0415
+
+    notes, start, limit = [], time.monotonic(), cell_limit
+    for i, cell in enumerate(nb.cells):
+        last = cell is harvest
+        left = total_limit - (time.monotonic() - start)
+        if not last and left <= 0:
+            notes.append(f"the notebook ran past its {total_limit:g} s limit: the cells "
+                         "after that were not run")  # fmt: skip
+            continue  # the harvest still runs: what was defined by then is graded
+        this = limit if last else max(1.0, min(limit, left))
+        client.timeout = int(max(1, round(this)))
+        began = time.monotonic()
+        with _watchdog(client, this) as killed:
+            try:
+                client.execute_cell(cell, i)
+            except CellTimeoutError:
+                pass
+            except DeadKernelError:
+                if killed:
+                    why = f"past its {this:g} s limit"
+                    return [*notes, f"the kernel ignored the interrupt at cell {i + 1} ({why}) "
+                            "and was ended: nothing could be graded"]  # fmt: skip
+                return [*notes, f"the kernel died in cell {i + 1}: nothing could be graded"]
+        if time.monotonic() - began >= this:
+            why = "per cell" if this >= limit else "left for the notebook"
+            notes.append(f"cell {i + 1} ran past the {this:g} s limit {why} and was interrupted")
+            limit = min(limit, AFTER_HANG_S)  # one hang is enough to wait for
+            continue
+        error = _errors(cell)
+        if error and not last:
+            first = cell.source.strip().splitlines()[0][:60] if cell.source.strip() else ""
+            notes.append(f"cell {i + 1} ({first!r}) raised {error}")
+    return notes
+
+
+@contextlib.contextmanager
+def _watchdog(client, limit: float):
+    """Ends the kernel's process group when a cell runs ``GRACE_S`` past ``limit`` (nbclient
+    has interrupted it at ``limit``; a kernel that ignores that would be waited for forever).
+    Yields a list that holds True once it had to."""
+    killed, done = [], threading.Event()
+
+    def watch():
+        if done.wait(limit + GRACE_S):
+            return
+        killed.append(True)
+        _kill_kernel(client)
+
+    thread = threading.Thread(target=watch, name="overlapkit-grade-watchdog", daemon=True)
+    thread.start()
+    try:
+        yield killed
+    finally:
+        done.set()
+        thread.join()
+
+
+def _kill_kernel(client) -> None:
+    provisioner = getattr(getattr(client, "km", None), "provisioner", None)
+    pgid = getattr(provisioner, "pgid", None)
+    process = getattr(provisioner, "process", None)
+    with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+        if pgid:
+            os.killpg(pgid, signal.SIGKILL)
+        elif process is not None:
+            process.kill()
+
+
+def _descendants() -> set:
+    import psutil  # noqa: PLC0415
+
+    return {(p.pid, p.create_time()) for p in _children(psutil.Process())}
+
+
+def _children(proc) -> list:
+    import psutil  # noqa: PLC0415
+
+    try:
+        return proc.children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _end_new_processes(before: set) -> None:
+    """Kill every process this one has gained since ``before`` (the kernel's ranks, servers,
+    anything the notebook left running), and reap them. Processes that left our tree
+    (setsid + double fork) come back to it where :func:`adopt_orphans` was called."""
+    import psutil  # noqa: PLC0415
+
+    new = []
+    for p in _children(psutil.Process()):
+        with contextlib.suppress(psutil.Error):
+            if (p.pid, p.create_time()) not in before:
+                new.append(p)
+    for p in new:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(new, timeout=5)
+
+
+def adopt_orphans() -> None:
+    """Make this process the reaper of its orphaned descendants (Linux), so that a process
+    a notebook detached from its kernel is still found, and ended, when it is done."""
+    with contextlib.suppress(Exception):
+        import ctypes  # noqa: PLC0415
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER

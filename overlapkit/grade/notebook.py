@@ -40,11 +40,10 @@ def grade_notebook(path: Path, labs: Path = LABS, cell_limit: float = 120.0,
         return result
     kept = check_calls(student)
     names = sorted({n for ex in exercises for n in ex.names})
-    cwd = str(path.parent.resolve())
     with tempfile.TemporaryDirectory(prefix="overlapkit-grade-") as folder:
-        found, notes = execute(student, names, folder, cell_limit, total_limit, cwd)
+        found, notes = execute(student, names, folder, cell_limit, total_limit)
         for ex in exercises:
-            _grade_one(ex, found, kept, folder, check_limit, cwd)
+            _grade_one(ex, found, kept, folder, check_limit)
     result["exercises"] = [_entry(ex) for ex in exercises]
     result["score"] = round(sum(ex.earned for ex in exercises), 4)
     notes = identity.notes + notes
@@ -53,7 +52,7 @@ def grade_notebook(path: Path, labs: Path = LABS, cell_limit: float = 120.0,
     return result
 
 
-def _grade_one(ex: Exercise, found: dict, kept: list, folder: str, limit: float, cwd: str):
+def _grade_one(ex: Exercise, found: dict, kept: list, folder: str, limit: float):
     problem = check_cell_problem(ex, kept)  # the lab's check call, compared by its parsed code
     if problem:
         ex.feedback.append(problem)
@@ -69,7 +68,8 @@ def _grade_one(ex: Exercise, found: dict, kept: list, folder: str, limit: float,
     if missing:
         ex.feedback.append(f"not graded: {', '.join(missing)}")
         return
-    report = run_check(ex, folder, limit, cwd)
+    shown = found.get("__shown__")
+    report = run_check(ex, folder, limit, shown=shown if isinstance(shown, dict) else None)
     if isinstance(report, str):
         ex.feedback.append(report)
         return

@@ -12,6 +12,7 @@ import torch
 
 from .. import handles
 from ..pipeline import make_schedule
+from . import sealed
 from .collectives import CHECK_LINK
 from .common import Unfinished, call_or_report, recorded_calls, run_or_report
 from .report import Report
@@ -35,7 +36,7 @@ def check_1f1b_schedule(one_f_one_b) -> Report:
     # the cases are judged quietly first: lists the kit's own code made earn nothing
     quiet = Report(report.exercise, file=io.StringIO())
     with recorded_calls(overlapkit, ["pipeline.make_schedule"]) as library:
-        with _executed(make_schedule.__code__) as ran:  # also under another name
+        with _executed(make_schedule) as ran:  # also under another name
             _check_schedules(quiet, one_f_one_b, wants)
     if library or ran:
         report.fail(
@@ -49,10 +50,11 @@ def check_1f1b_schedule(one_f_one_b) -> Report:
 
 
 @contextlib.contextmanager
-def _executed(code):
-    """Record each time ``code`` runs in this thread, however the function that holds it
-    was reached (an alias, ``from … import``): yields a list that grows by one per call."""
-    ran, before = [], sys.getprofile()
+def _executed(fn):
+    """Record each time ``fn``'s code runs in this thread, however it was reached (an alias,
+    ``from … import``): yields a list that grows by one per call (a sealed student function
+    called meanwhile watches for it on its own rank)."""
+    code, ran, before = fn.__code__, [], sys.getprofile()
 
     def profile(frame, event, arg):
         if event == "call" and frame.f_code is code:
@@ -60,7 +62,8 @@ def _executed(code):
 
     sys.setprofile(profile)
     try:
-        yield ran
+        with sealed.watching(("code", fn.__module__, fn.__qualname__), ran):
+            yield ran
     finally:
         sys.setprofile(before)
 

@@ -1,0 +1,122 @@
+"""A student's exercise as the grader's judge holds it: sealed bytes that run only on ranks.
+
+The judge (``python -m overlapkit.grade``'s check process) decides verdicts, so no code of
+the student's may run there — not the function, not a ``__reduce__`` hidden in its
+pickle, not a method of a value it returns. The judge therefore never unpickles the
+student's objects. It holds a :class:`Sealed` in their place, and the checks use it as
+they would the function itself:
+
+* passed to ``ok.launch`` (as every multi-rank check does), it unpickles on the rank —
+  where the student's code runs anyway — into the student's object;
+* called (a single-process exercise: a schedule, a bucket assignment, a formula), it runs
+  on a rank of its own (:func:`call`) and its value comes back as plain data
+  (``overlapkit.plaindata``), with whatever the check was watching meanwhile (calls of
+  the kit's own answer, by name or by its code running) recorded there and handed back.
+
+Outside the grader (a notebook's check cell) the checks get the learner's real function
+and none of this runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import cloudpickle
+
+CALL_TIMEOUT_S = 30.0
+
+#: what the judge is watching right now: (what, list to extend) — see :func:`watching`
+_watching: list[tuple[tuple, list]] = []
+
+
+class Sealed:
+    """A student's function or class, as bytes; ``name`` is what the notebook called it."""
+
+    def __init__(self, name: str, data: bytes, shown: str | None = None):
+        self.name, self.data = name, data
+        self.__name__ = self.__qualname__ = shown or name
+
+    def __reduce__(self):
+        # what travels to a rank is the student's own pickle: there it is the object again
+        return (cloudpickle.loads, (self.data,))
+
+    def __call__(self, *args, **kwargs):
+        return call(self, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<{self.__name__} from the notebook>"
+
+
+@contextlib.contextmanager
+def watching(what: tuple, seen: list):
+    """While the block runs, a :class:`Sealed` call also watches ``what`` on its rank and
+    appends what it saw to ``seen``. ``what``: ``("attr", module, names, prefix)`` (calls of
+    those attributes, as ``common.recorded_calls`` records them) or ``("code", module,
+    qualname)`` (each time that function's code runs, under whatever name)."""
+    _watching.append((what, seen))
+    try:
+        yield seen
+    finally:
+        _watching.remove((what, seen))
+
+
+def call(fn, *args, timeout: float = CALL_TIMEOUT_S, **kwargs):
+    """``fn(*args, **kwargs)`` on a rank of its own; its value, read as plain data.
+
+    Exceptions come back as their built-in (or kit) type with the rank's text, so a check's
+    ``except NotImplementedError`` still works; a call that does not return within
+    ``timeout`` seconds raises :class:`TimeoutError`.
+    """
+    from ..launcher import LaunchTimeoutError, dumps_keeping_filenames, launch  # noqa: PLC0415
+
+    watched = list(_watching)
+    try:
+        value, seen = launch(
+            _call_on_rank,
+            dumps_keeping_filenames(fn),
+            dumps_keeping_filenames((args, kwargs)),
+            [what for what, _ in watched],
+            world_size=1,
+            timeout=timeout,
+            quiet=True,
+        )[0]
+    except LaunchTimeoutError:
+        raise TimeoutError(
+            f"{getattr(fn, '__name__', 'the function')}() did not return within {timeout:g} s"
+        ) from None
+    for (_, into), got in zip(watched, _as_lists(seen, len(watched)), strict=True):
+        into.extend(got)
+    return value
+
+
+def _as_lists(seen, n: int) -> list[list]:
+    """What the rank says it saw: n lists of strings (anything else counts as nothing)."""
+    if not isinstance(seen, list) or len(seen) != n:
+        return [[] for _ in range(n)]
+    return [[x for x in s if isinstance(x, str)] if isinstance(s, list) else [] for s in seen]
+
+
+def _call_on_rank(fn_bytes: bytes, args_bytes: bytes, watch: list):
+    """On the rank: start watching, then unpickle the student's function (so a name it
+    imported is the watched one) and call it; returns (value, what each watch saw)."""
+    from .common import recorded_calls  # noqa: PLC0415
+    from .pipeline import _executed  # noqa: PLC0415
+
+    with contextlib.ExitStack() as stack:
+        seen = []
+        for what in watch:
+            if what[0] == "attr":
+                _, module, names, prefix = what
+                root = importlib.import_module(module)
+                seen.append(stack.enter_context(recorded_calls(root, names, prefix)))
+            else:
+                _, module, qualname = what
+                obj = importlib.import_module(module)
+                for part in qualname.split("."):
+                    obj = getattr(obj, part)
+                seen.append(stack.enter_context(_executed(obj)))
+        fn = cloudpickle.loads(fn_bytes)
+        args, kwargs = cloudpickle.loads(args_bytes)
+        value = fn(*args, **kwargs)
+        return value, [list(s) for s in seen]

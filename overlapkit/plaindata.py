@@ -1,0 +1,146 @@
+"""Values that come back from code we do not trust, read as plain data.
+
+Unpickling runs code: the bytes name the functions to call while they are read
+(``__reduce__``), so whoever wrote them runs code in the reader. ``ok.launch`` normally
+trusts its ranks — they run the caller's own function — but the grader's judge runs a
+student's function on them, and a student who has read the kit could make a rank's
+return value (or its exception, or the message around both) run code in the judge and
+print a verdict there. Under :func:`distrust`, therefore:
+
+* the message a rank sends (``("ok", value)``, or an error's type name, text and
+  frames) is read by an unpickler that knows no class at all: tuples, lists, strings,
+  bytes and numbers only;
+* the value inside is written with ``torch.save`` and read with PyTorch's weights-only
+  loader (its safety is PyTorch's to keep): tensors, numbers, strings, lists, tuples,
+  dicts, None, and the few kit records listed in :data:`RECORDS` — no other class, so
+  not a ``float`` subclass whose ``__sub__`` always agrees either;
+* an exception is rebuilt from its type's name, among the built-in exceptions and the
+  kit's own (:func:`rebuild_exception`), with the rank's text; never unpickled.
+
+What this does not cover: code that runs as the same user can still change files and
+other processes of that user; see ``overlapkit.grade`` for the grader's whole model.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import io
+import pickle
+import re
+
+_trusting = True
+
+
+def trusting() -> bool:
+    """Whether launches here read their ranks' results with the full unpickler."""
+    return _trusting
+
+
+@contextlib.contextmanager
+def distrust():
+    """Within the block (and in this process only), ranks' results are read as plain data."""
+    global _trusting
+    before, _trusting = _trusting, False
+    try:
+        yield
+    finally:
+        _trusting = before
+
+
+def distrust_from_now() -> None:
+    """For a process that only ever judges (the grader's check runner)."""
+    global _trusting
+    _trusting = False
+
+
+class NotPlainData(ValueError):
+    """A value from an untrusted rank holds something other than plain data."""
+
+
+def dumps(value) -> bytes:
+    """On the rank: ``value`` in ``torch.save``'s format (CUDA tensors moved to the CPU)."""
+    import torch  # noqa: PLC0415
+
+    def to_cpu(v):
+        if isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta"):
+            return v.detach().cpu()
+        return v
+
+    buf = io.BytesIO()
+    torch.save(_map(value, to_cpu), buf)
+    return buf.getvalue()
+
+
+def _map(value, fn):
+    if type(value) in (list, tuple):
+        return type(value)(_map(v, fn) for v in value)
+    if type(value) is dict:
+        return {k: _map(v, fn) for k, v in value.items()}
+    return fn(value)
+
+
+def _records() -> list:
+    """Kit classes a rank's value may hold (data only: no method of theirs runs on load)."""
+    from .grading.traffic import Traffic  # noqa: PLC0415
+    from .timeline import Span, Timeline  # noqa: PLC0415
+
+    return [Timeline, Span, Traffic]
+
+
+def loads(data: bytes):
+    """In the judge: a value written by :func:`dumps`, read with the weights-only loader."""
+    import torch  # noqa: PLC0415
+
+    torch.serialization.add_safe_globals(_records())
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+        what = f"an object of {found.group(1)}" if found else "something that is not plain data"
+        raise NotPlainData(
+            f"the value holds {what}: return plain data (tensors, numbers, strings, lists, "
+            "tuples, dicts)"
+        ) from None
+
+
+class _NoClasses(pickle.Unpickler):
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"a message from a rank named a class ({module}.{name})")
+
+
+def message(data: bytes):
+    """A rank's message read with no class allowed: tuples, lists, str, bytes, numbers."""
+    return _NoClasses(io.BytesIO(data)).load()
+
+
+def _exception_types() -> dict[str, type]:
+    from . import inflight, launcher  # noqa: PLC0415
+
+    found = {
+        name: obj
+        for name, obj in vars(builtins).items()
+        if isinstance(obj, type) and issubclass(obj, Exception)
+    }
+    for module in (launcher, inflight):
+        for name, obj in vars(module).items():
+            if (
+                isinstance(obj, type)
+                and issubclass(obj, Exception)
+                and obj.__module__ == module.__name__
+            ):
+                found[name] = obj
+    return found
+
+
+def rebuild_exception(type_name: str, text: str) -> BaseException | None:
+    """``type_name(text)`` for a built-in or kit exception type; None for any other type
+    (or one that cannot be made from a text alone)."""
+    cls = _exception_types().get(type_name) if isinstance(type_name, str) else None
+    if cls is None or not isinstance(text, str):
+        return None
+    try:
+        exc = cls(text)
+    except Exception:  # noqa: BLE001 - a type that wants other arguments
+        return None
+    return exc if str(exc) == text else None
