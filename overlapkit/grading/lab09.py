@@ -216,47 +216,32 @@ def check_average_parameters(average_parameters, local_sgd_step=None,
     2 ranks and k = 2 on 3. The check stops at its first failure; the cases after it
     count as not passed ("not reached"), so the score is out of every case."""
     report = Report("average_parameters")
-    cases = [("what", world, None) for world in WORLDS]
+    cases = [(f"average_parameters on {world} ranks", world, None) for world in WORLDS]
     if local_sgd_step is not None:
-        cases += [("when", world, k) for world, k in LOCAL_CASES]
-    for n, (part, world, k) in enumerate(cases):
-        if part == "what":
-            passed = _check_average(report, average_parameters, world, timeout)
+        cases += [(f"local_sgd_step on {w} ranks, k = {k}", w, k) for w, k in LOCAL_CASES]
+    for n, (what, world, k) in enumerate(cases):
+        if k is None:
+            run, args, judge = _run, (average_parameters,), _judge
+            passed = ("every parameter is the mean over the ranks, in place; gradients and "
+                      "buffers untouched")  # fmt: skip
         else:
-            passed = _check_local_sgd(report, local_sgd_step, world, k, timeout)
-        if not passed:
-            for _, w, kk in cases[n + 1 :]:
-                report.fail(f"{_case_name(w, kk)}: {_SKIPPED}")
+            run, args, judge = _run_local_sgd, (local_sgd_step, k), _judge_local_sgd
+            passed = (f"each rank followed its own batches, and after steps "
+                      f"{', '.join(map(str, _steps(k)))} (and only then) every rank held the "
+                      "mean of the ranks' models")  # fmt: skip
+        results = run_or_report(report, what, run, *args, world_size=world, timeout=timeout,
+                                link=CHECK_LINK, explain=_explain)  # fmt: skip
+        if results is None or not judge(report, what, results, world if k is None else k):
+            for later, _, _ in cases[n + 1 :]:
+                report.fail(f"{later}: {_SKIPPED}")
             break
+        report.ok(f"{what}: {passed}")
     return report
 
 
-def _case_name(world: int, k: int | None) -> str:
-    if k is None:
-        return f"average_parameters on {world} ranks"
-    return f"local_sgd_step on {world} ranks, k = {k}"
-
-
-def _check_average(report: Report, average_parameters, world: int, timeout: float) -> bool:
-    what = _case_name(world, None)
-    results = run_or_report(report, what, _run, average_parameters, world_size=world,
-                            timeout=timeout, link=CHECK_LINK, explain=_explain)  # fmt: skip
-    if results is None or not _judge(report, what, results, world):
-        return False
-    report.ok(
-        f"{what}: every parameter is the mean over the ranks, in place; gradients "
-        "and buffers untouched"
-    )
-    return True
-
-
 def _never_waited(report: Report, what: str, rank: int, unwaited: list[str], nan: bool) -> None:
-    read = (
-        "; what it read in the meantime is NaN (the check poisons a tensor while an "
-        "operation on it is in flight)"
-        if nan
-        else ""
-    )
+    read = ("; what it read in the meantime is NaN (the check poisons a tensor while an "
+            "operation on it is in flight)") if nan else ""  # fmt: skip
     report.fail(
         f"{what}: rank {rank} never waited for {len(unwaited)} operation(s), e.g. "
         f"{unwaited[0]}{read}: call .wait() on every handle before reading the tensor it "
@@ -372,7 +357,7 @@ def _sgd_model() -> torch.nn.Module:
 
 class _SGD:
     """Plain SGD with the interface of ``torch.optim.SGD`` that a training step uses
-    (``zero_grad``, ``step``, ``param_groups``, ``state``). Not torch's own: constructing
+    (``zero_grad``, ``step()``, ``param_groups``, ``state``). Not torch's own: constructing
     that imports torch._dynamo, seconds in every fresh rank of the check."""
 
     def __init__(self, params, lr: float):
@@ -387,16 +372,11 @@ class _SGD:
                 p.grad.zero_()
 
     @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self) -> None:
         group = self.param_groups[0]
         for p in group["params"]:
             if p.grad is not None:
                 p.add_(p.grad, alpha=-group["lr"])
-        return loss
 
 
 BATCH = 6  # samples (and targets) per batch
@@ -465,20 +445,6 @@ def _run_local_sgd(local_sgd_step, k: int):
 
 def _steps(k: int) -> list[int]:
     return list(range(k, STEPS + 1, k))
-
-
-def _check_local_sgd(report: Report, local_sgd_step, world: int, k: int, timeout: float) -> bool:
-    what = _case_name(world, k)
-    results = run_or_report(report, what, _run_local_sgd, local_sgd_step, k, world_size=world,
-                            timeout=timeout, link=CHECK_LINK, explain=_explain)  # fmt: skip
-    if results is None or not _judge_local_sgd(report, what, results, k):
-        return False
-    report.ok(
-        f"{what}: each rank followed its own batches, and after steps "
-        f"{', '.join(map(str, _steps(k)))} (and only then) every rank held the mean of the "
-        "ranks' models"
-    )
-    return True
 
 
 def _averaging(events: list[str]) -> tuple[int, int]:
