@@ -1,18 +1,24 @@
 """Checks for lab 05: an AllReduce overlapped with independent compute, and its timeline.
 
 The learner's step runs on 2 ranks over an emulated link, so that the AllReduce
-takes measurable time (about 20 ms for the check's 4 MiB gradient). The check
-hands it a ``compute`` that really computes (matrix products) for longer than
-that, and watches from the outside::
+takes measurable time (about 20 ms for the check's 4 MiB gradient, far more on
+a loaded machine). The check hands it a ``compute`` that really computes (matrix
+products) for at least ``COMPUTE_S`` and, when it is called while the learner's
+AllReduce is in flight, on until that AllReduce has ended and ``MARGIN_S`` more,
+whatever the load. So all of it can hide, and a ``wait()`` after ``compute()``
+always returns well after the AllReduce's true end. The check watches from the
+outside::
 
-    issue ─┬─ RS step ─ AG step ─┐ done           (the kit's own spans: the true end)
-           └─ compute() ──────────────┘ wait()     (the check's compute, the handle's wait)
+    issue ─┬─ RS step ─ AG step ─┐ done            (the kit's own spans: the true end)
+           └─ compute() ────────────── margin ─┘ wait()   (the check's compute, the wait)
 
 From those times it says which mistake broke the overlap: ``wait()`` before
 ``compute()`` (the serial step), the AllReduce started after ``compute()``, a
 blocking call (no ``async_op=True``), a handle never waited, the built-in
 ``dist.all_reduce`` where the kit's op is asked, a gradient reduced twice, or
-the wrong thing returned.
+the wrong thing returned; and, for the timed step, a comm span that does not
+end where the AllReduce did (one that runs to ``wait()`` ends after
+``compute()``, never at the op's end, also under load).
 """
 
 from __future__ import annotations
@@ -32,8 +38,11 @@ from .report import Report
 LINK = Link(latency_us=100, bandwidth_gbps=0.25)
 #: the gradient: 4 MiB of float32, about 20 ms of AllReduce over LINK on 2 ranks
 NUMEL = 1 << 20
-#: the check's compute() runs this long, longer than the AllReduce, so all of it can hide
+#: the check's compute() runs at least this long
 COMPUTE_S = 0.04
+#: ... and, called while the AllReduce is in flight, until this long after it ended, so
+#: that all of it can hide and a wait() after compute() returns this long after its end
+MARGIN_S = 0.03
 WORLD = 2
 TIMEOUT_S = 30.0
 
@@ -50,23 +59,46 @@ def _gradient(rank: int) -> torch.Tensor:
 
 class _Compute:
     """The independent work of the step: one small layer's output, computed while the
-    rest of ``seconds`` is spent in more matrix products (real arithmetic, as a layer's
-    backward would do, not a sleep)."""
+    rest of the time is spent in more matrix products (real arithmetic, as a layer's
+    backward would do, not a sleep). It runs ``seconds`` at least; called while some
+    of ``in_flight()``'s operations run, it goes on until they have ended (their
+    future's callbacks included, such as ``Timeline.track``'s) and ``margin`` more: the
+    AllReduce then ends inside compute() however long the load makes it."""
 
-    def __init__(self, rank: int, seconds: float):
+    def __init__(self, rank: int, seconds: float, margin: float = MARGIN_S, in_flight=list,
+                 hold_s: float = TIMEOUT_S / 3):  # fmt: skip
         g = torch.Generator().manual_seed(700 + rank)
         self.x, self.w = torch.randn(32, 64, generator=g), torch.randn(64, 16, generator=g)
         self.burn = torch.randn(160, 160, generator=g)
-        self.seconds = seconds
+        self.seconds, self.margin, self.in_flight = seconds, margin, in_flight
+        # an op that never ends (a peer that never joined) is left to the learner's wait(),
+        # where the launch's timeout then finds the rank
+        self.hold_s = hold_s
         self.expected = torch.tanh(self.x @ self.w)
         self.runs: list[tuple[float, float]] = []
+        #: per run: when the last in-flight op's callbacks had run (None: none in flight)
+        self.held: list[float | None] = []
 
     def __call__(self) -> torch.Tensor:
         start = _now()
+        ended: list[float] = []  # appended on the communication worker
+        futures = self.in_flight()
+        for future in futures:
+            # registered after the learner's own callbacks (track's): runs after them
+            future.add_done_callback(lambda _: ended.append(_now()))
         out = torch.tanh(self.x @ self.w)
-        while _now() - start < self.seconds:
+        while True:
+            now = _now()
+            if (
+                now - start >= self.seconds
+                and len(ended) == len(futures)
+                and (not ended or now - max(ended) >= self.margin)
+            ) or now - start >= self.hold_s:
+                break
             self.burn @ self.burn
         self.runs.append((start, _now()))
+        whole = ended and len(ended) == len(futures)
+        self.held.append(max(ended) if whole else None)
         return out
 
 
@@ -229,7 +261,7 @@ def _spans_of(timeline, t0: float):
     return [(s.name, s.lane, s.start - t0, s.end - t0) for s in spans]
 
 
-def _run(fn_bytes: bytes, timed: bool, compute_s: float):
+def _run(fn_bytes: bytes, timed: bool, compute_s: float, hold_s: float):
     """One step of the learner's function on this rank; what was seen, as plain data."""
     import overlapkit as ok
 
@@ -242,7 +274,13 @@ def _run(fn_bytes: bytes, timed: bool, compute_s: float):
     grad = _gradient(me)
     mine = grad.clone()
     total = sum(_gradient(r) for r in range(world))
-    compute = _Compute(me, compute_s)
+
+    def in_flight():
+        """The futures of the learner's async AllReduces that have not ended yet."""
+        futures = (getattr(c.handle, "_future", None) for c in probe.calls)
+        return [f for f in futures if f is not None and not f.done()]
+
+    compute = _Compute(me, compute_s, in_flight=in_flight, hold_s=hold_s)
     timeline = ok.Timeline() if timed else None
     align = ok.collectives.ring_all_reduce  # not the learner's: taken before the probe
     with probe.installed():
@@ -291,6 +329,7 @@ def _run(fn_bytes: bytes, timed: bool, compute_s: float):
     return {
         "calls": calls,
         "compute": [(rel(a), rel(b)) for a, b in compute.runs],
+        "held": [rel(t) for t in compute.held],
         "returned_at": rel(returned),
         "returned": _describe_returned(out, grad, compute),
         "grad": _grad_problem(grad, mine, total, world),
@@ -383,16 +422,18 @@ def _handle_case(report: Report, results, name: str) -> None:
             return
         if not call["waits"]:
             state = (
-                "was still running, so whoever reads grad next reads it half reduced"
+                "was still running: grad did not hold the sum yet"
                 if call["running_at_return"]
-                else "had ended, but only because compute() took longer: nothing made the "
-                "rank wait for it, and with a shorter compute() grad would be read half reduced"
+                else "had ended, but only because this check's compute() goes on until it "
+                "has: nothing made the rank wait for it, and after a shorter compute() grad "
+                "would not hold the sum yet"
             )
             report.fail(
                 f"rank {rank}: you never called wait() on the handle ok.ring_all_reduce "
                 f"returned (started at {call['site']}). When {name} returned, the AllReduce "
-                f"{state}. Call handle.wait() after compute() and before returning "
-                "(handle.wait without parentheses does not call it)"
+                f"{state} (the values below are read after the check waited for it itself; "
+                "your caller would not). Call handle.wait() after compute() and before "
+                "returning (handle.wait without parentheses does not call it)"
             )
             return
     report.ok(
@@ -567,23 +608,70 @@ def _timeline_case(report: Report, results) -> None:
                 "soon as ok.ring_all_reduce returns it"
             )
             return
-        if not -tol <= m_end - done <= tol + copy_back_s:
-            returned = call["waited"][-1] if call["waited"] else None
-            at_wait = returned is not None and abs(m_end - returned) <= tol
-            hint = (
-                ": it ends when wait() returned, and so counts the compute it hid behind as "
-                "communication. timeline.track(name, handle) takes the end from the op's "
-                "future, the moment it really finished"
-                if at_wait and m_end > done
-                else ": record it with timeline.track(name, handle), which takes the end "
-                "from the op's future"
-            )
-            report.fail(
-                f"rank {rank}: your comm span ends at {_ms(m_end)}, but the AllReduce "
-                f"finished at {_ms(done)}{hint}"
-            )
+        problem = _comm_end_problem(seen, call, (c_start, c_end), (m_start, m_end), tol)
+        if problem:
+            report.fail(f"rank {rank}: {problem}")
             return
-    report.ok("the timeline shows the AllReduce from its start to its true end, and compute()")
+    report.ok(
+        "the timeline shows the AllReduce on the comm lane from its start to its true end, "
+        "and compute() on the compute lane where it ran"
+    )
+
+
+def _comm_end_problem(seen, call, compute_run, comm_span, tol: float) -> str | None:
+    """What is wrong with where the learner's comm span ends, or None.
+
+    When compute() was called while the AllReduce was in flight, it went on until the
+    op had ended, every callback on its future had run (``held``: a span that
+    ``Timeline.track`` or the kit's ``timeline=`` records ends by then) and ``MARGIN_S``
+    more. A span that ends at ``wait()``, or anywhere after compute(), therefore ends at
+    least the margin after ``held``: the verdict does not hang on how long the load made
+    the AllReduce. When the op had ended before compute() began (the rank got the CPU
+    late), such a span ends after compute() too, and the true end lay before it.
+    Otherwise (an op started after compute()), the span may end after the op's true
+    end by the tolerance and the read guard's copy back."""
+    (c_start, c_end), (m_start, m_end) = compute_run, comm_span
+    issued, done, held = call["issued"], call["done"], seen["held"][0]
+    copy_back_s = call["guard_s"][1]
+    waits = call["waits"]
+    if m_end < done - tol:
+        at_return = abs(m_end - call["returned"]) <= tol
+        how = (
+            "when ok.ring_all_reduce returned, which it does at once, while the AllReduce "
+            "goes on in the background"
+            if at_return
+            else "before it"
+        )
+        return (
+            f"your comm span ends at {_ms(m_end)}, but the AllReduce finished at {_ms(done)}: "
+            f"the span ends {how}. Its end must be the op's: Timeline.track(name, handle) "
+            "takes it from the op's future (help(ok.Timeline.track))"
+        )
+    if held is not None:
+        late = m_end > (held + c_end) / 2
+    elif done <= c_start:  # on a loaded machine: the rank came to compute() after the op
+        late = m_end > (c_start + c_end) / 2
+    else:
+        late = m_end - done > tol + copy_back_s
+    if not late:
+        return None
+    when = "when wait() returned" if waits and m_end >= waits[-1] else "after compute() returned"
+    hidden = c_start <= done < c_end
+    during = (
+        f"while compute() was still running ({_ms(c_start)}–{_ms(c_end)})"
+        if hidden
+        else f"before compute() ran ({_ms(c_start)}–{_ms(c_end)})"
+    )
+    counts = "the compute the AllReduce hid behind" if hidden else "what the rank did after it"
+    return (
+        f"your comm span ends at {_ms(m_end)}, {when}, but the AllReduce had finished at "
+        f"{_ms(done)}, {_ms(m_end - done)} earlier, {during}. A span up to there counts "
+        f"{counts} as communication: T_comm reads "
+        f"{_ms(m_end - m_start)} where the AllReduce took {_ms(done - issued)}, and a step "
+        "would look the same whether its AllReduce took a tenth of compute() or all of it. "
+        "wait() cannot tell you when the op ended; its future can: Timeline.track(name, "
+        "handle) records the end from it (help(ok.Timeline.track))"
+    )
 
 
 def _check(name: str, fn, timed: bool, timeout: float, compute_s: float) -> Report:
@@ -591,8 +679,8 @@ def _check(name: str, fn, timed: bool, timeout: float, compute_s: float) -> Repo
     from ..launcher import dumps_keeping_filenames  # noqa: PLC0415
 
     results = run_or_report(report, f"{name} on {WORLD} ranks", _run, dumps_keeping_filenames(fn),
-                            timed, compute_s, world_size=WORLD, timeout=timeout, link=LINK,
-                            explain=_explain)  # fmt: skip
+                            timed, compute_s, timeout / 3, world_size=WORLD, timeout=timeout,
+                            link=LINK, explain=_explain)  # fmt: skip
     if results is None:
         return report
     _handle_case(report, results, name)
@@ -609,7 +697,7 @@ def check_overlapped_step(overlapped_step, timeout: float = TIMEOUT_S,
 
     The step must start ``ok.ring_all_reduce(grad, async_op=True)``, run
     ``compute()`` while the AllReduce crosses the link, wait on the handle and
-    return what ``compute()`` returned. Four cases: the op and its handle, the
+    return what ``compute()`` returned. Three cases: the op and its handle, the
     values (grad summed over ranks, the result returned), and the overlap (the
     AllReduce in flight while ``compute()`` ran).
     """
@@ -621,9 +709,11 @@ def check_timed_step(timed_step, timeout: float = TIMEOUT_S,
                      compute_s: float = COMPUTE_S) -> Report:  # fmt: skip
     """Check ``timed_step(grad, compute, timeline)``: the overlapped step, recorded.
 
-    As :func:`check_overlapped_step`, and the timeline must hold the AllReduce
-    on the "comm" lane from its start to its true end (not to the ``wait()``
-    that came later) and ``compute()`` on the "compute" lane.
+    As :func:`check_overlapped_step`, and a fourth case: the timeline must hold
+    the AllReduce on the "comm" lane from its start to its true end (not to the
+    ``wait()`` that came later) and ``compute()`` on the "compute" lane. The
+    check's ``compute()`` goes on until ``MARGIN_S`` after the AllReduce ended,
+    so a span up to ``wait()`` is told apart from the true end on any load.
     """
     name = getattr(timed_step, "__name__", "timed_step")
     return _check(name, timed_step, True, timeout, compute_s)
