@@ -96,7 +96,7 @@ def loads(data: bytes):
     try:
         return torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
         what = f"an object of {found.group(1)}" if found else "something that is not plain data"
         raise NotPlainData(
             f"the value holds {what}: return plain data (tensors, numbers, strings, lists, "

@@ -95,9 +95,12 @@ def execute(student: nbformat.NotebookNode, names: list[str], folder: str, cell_
                                 resources={"metadata": {"path": home}})  # fmt: skip
         try:
             with client.setup_kernel():
-                notes = _run_cells(client, nb, harvest, cell_limit, total_limit)
+                try:
+                    notes = _run_cells(client, nb, harvest, cell_limit, total_limit)
+                finally:  # while the kernel lives, what it started is still in our tree
+                    _end_new_processes(before, spare=_kernel_pid(client))
         finally:
-            _end_new_processes(before)
+            _end_new_processes(before)  # and what left it, where adopt_orphans() was called
     if notes and notes[-1].startswith("the kernel"):
         return {}, notes
     text = _stream_text(harvest)
@@ -196,7 +199,12 @@ def _children(proc) -> list:
         return []
 
 
-def _end_new_processes(before: set) -> None:
+def _kernel_pid(client) -> int | None:
+    process = getattr(getattr(getattr(client, "km", None), "provisioner", None), "process", None)
+    return getattr(process, "pid", None)
+
+
+def _end_new_processes(before: set, spare: int | None = None) -> None:
     """Kill every process this one has gained since ``before`` (the kernel's ranks, servers,
     anything the notebook left running), and reap them. Processes that left our tree
     (setsid + double fork) come back to it where :func:`adopt_orphans` was called."""
@@ -205,7 +213,7 @@ def _end_new_processes(before: set) -> None:
     new = []
     for p in _children(psutil.Process()):
         with contextlib.suppress(psutil.Error):
-            if (p.pid, p.create_time()) not in before:
+            if (p.pid, p.create_time()) not in before and p.pid != spare:
                 new.append(p)
     for p in new:
         with contextlib.suppress(psutil.Error):

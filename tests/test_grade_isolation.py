@@ -1,0 +1,202 @@
+"""The grader against a student who has read its source: forged verdicts, hijacked modules,
+code hidden in pickles and return values, kernels that ignore interrupts, processes left
+behind. Each forgery scores 0 for its exercise; the honest exercise beside it scores full.
+
+Uses the tiny two-exercise lab of tests/test_grade.py (1F1B schedule + bucket assignment,
+3 points each), whose checks call the learner's function in the judge's place: on a rank
+of its own (``overlapkit.grading.sealed``).
+"""
+
+import json
+import os
+import sys
+import time
+import types
+
+import nbformat
+import psutil
+import pytest
+
+from overlapkit import plaindata
+from overlapkit.grade.judge import run_check
+from overlapkit.grade.labs import Exercise
+from overlapkit.launcher import RankFailedError, launch
+from tests.test_grade import ASSIGN, ONE_F_ONE_B, UNFINISHED, _by_name, _notebook, _student
+
+
+@pytest.fixture
+def labs(tmp_path):
+    """The tiny lab of tests/test_grade.py: both exercises unfinished."""
+    folder = tmp_path / "labs"
+    folder.mkdir()
+    lab = _notebook(UNFINISHED.format(name="one_f_one_b"), UNFINISHED.format(name="assign_buckets"))
+    nbformat.write(lab, folder / "99_grading_test.ipynb")
+    return folder
+
+
+FORGED = '{"score": 1.0, "cases": [{"passed": true, "message": "forged"}]}'
+
+# a verdict printed where the old grader read it, and written to every descriptor a
+# forger can reach from inside the student's function
+PRINTS_A_VERDICT = f"""def assign_buckets(sizes, bucket_mb):
+    import os
+    print('@@overlapkit-grade@@{FORGED}')
+    for fd in range(3, 64):
+        try:
+            os.write(fd, b'{FORGED}')
+        except OSError:
+            pass
+    return [[i] for i in range(len(sizes))]"""
+
+# runs when the function's pickle is read: print a verdict, write it to every descriptor
+_FORGE_CODE = (
+    f"import os\nprint('@@overlapkit-grade@@' + {FORGED!r})\n"
+    f"for fd in range(3, 64):\n    try: os.write(fd, {FORGED.encode()!r})\n"
+    "    except OSError: pass\n"
+)
+REDUCE_AT_LOAD = f"""class _Forge:
+    def __reduce__(self):
+        return (exec, ({_FORGE_CODE!r},))
+FORGE = _Forge()
+def assign_buckets(sizes, bucket_mb):
+    FORGE
+    return [[i] for i in range(len(sizes))]"""
+
+# the grader's own modules, replaced from a cell: beside the notebook and in the kernel's folder
+_FAKE_MODULE = f"print('@@overlapkit-grade@@' + {FORGED!r})\nraise SystemExit(0)\n"
+HIJACK = f"""import pathlib
+for folder in (pathlib.Path.cwd(), pathlib.Path(HERE)):
+    for name in ("cloudpickle.py", "json.py", "overlapkit.py", "sitecustomize.py"):
+        (folder / name).write_text({_FAKE_MODULE!r})"""
+
+
+def test_a_forged_verdict_or_a_pickle_that_runs_code_scores_zero_beside_full_marks(tmp_path, labs):
+    for forger in (PRINTS_A_VERDICT, REDUCE_AT_LOAD):
+        result = _grade(tmp_path, labs, _notebook(ONE_F_ONE_B, forger))
+        ex = _by_name(result)
+        assert ex["1f1b_schedule"]["points"] == 3.0, ex["1f1b_schedule"]["feedback"]
+        assert ex["assign_buckets"]["points"] == 0.0
+        assert "forged" not in ex["assign_buckets"]["feedback"]
+        assert "✘" in ex["assign_buckets"]["feedback"]  # the check ran and judged the work
+
+
+def test_modules_written_beside_the_notebook_do_not_replace_the_graders(tmp_path, labs):
+    here = str(tmp_path / "students")
+    hijack = f"HERE = {here!r}\n" + HIJACK
+    result = _grade(tmp_path, labs, _notebook(ONE_F_ONE_B, ASSIGN, extra=[hijack]))
+    assert (tmp_path / "students" / "cloudpickle.py").exists()  # the cell did run
+    assert result["score"] == 6.0, result  # both honest exercises, judged by the real kit
+
+
+def test_a_kernel_that_ignores_interrupts_is_ended_within_the_limit(tmp_path, labs):
+    deaf = "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    pass"
+    began = time.monotonic()
+    result = _grade(tmp_path, labs, _notebook(ONE_F_ONE_B, ASSIGN, extra=[deaf]), cell_limit=20)
+    took = time.monotonic() - began
+    assert any("ignored the interrupt" in n for n in result["notes"]), result["notes"]
+    assert result["score"] == 0  # nothing could be harvested from a kernel that had to die
+    assert took < 20 + 15 + 120, took  # the limit, the grace, and starting up on a busy machine
+
+
+def test_processes_a_notebook_leaves_running_are_ended(tmp_path, labs):
+    pids = tmp_path / "pids.json"
+    leave = (
+        "import json, subprocess, sys\n"
+        "kept = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "away = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
+        "                        start_new_session=True)\n"
+        f"open({str(pids)!r}, 'w').write(json.dumps([kept.pid, away.pid]))"
+    )
+    result = _grade(tmp_path, labs, _notebook(ONE_F_ONE_B, ASSIGN, extra=[leave]))
+    assert result["score"] == 6.0
+    for pid in json.loads(pids.read_text()):
+        assert not _alive(pid), f"process {pid} started by the notebook still runs"
+
+
+def test_the_judge_reads_a_table_of_float_subclasses_as_not_plain_data(tmp_path):
+    """Lab 10's table, made of a float whose arithmetic always agrees: the judge never
+    unpickles it (its methods would run there), and the check says what it got."""
+    folder = tmp_path / "saved"
+    folder.mkdir()
+    source = (
+        "import torch\n"
+        "class Agreeable(float):\n"
+        "    def __sub__(self, other): return 0.0\n"
+        "    def __truediv__(self, other): return 1.0\n"
+        "row = {'step_ms': Agreeable(30.0), 'hidden': Agreeable(0.8)}\n"
+        f"torch.save({{'before': row, 'after': row}}, {str(folder / 'REPORT.pt')!r})\n"
+        f"torch.save({{'wrapper': 'bucketed', 'bucket_mb': 1}}, {str(folder / 'TUNED.pt')!r})\n"
+        "import cloudpickle\n"
+        f"open({str(folder / 'REPORT.pkl')!r}, 'wb').write(cloudpickle.dumps({{'before': row}}))\n"
+    )
+    module = types.ModuleType("student_notebook")  # importable here, as __main__ is there
+    sys.modules[module.__name__] = module
+    try:
+        exec(compile(source, "<student>", "exec"), module.__dict__)
+    finally:
+        del sys.modules[module.__name__]
+    ex = Exercise("check_tuning", ["REPORT", "TUNED"], {}, "", points=4.0)
+    report = run_check(ex, str(folder), limit=120)
+    assert isinstance(report, dict), report
+    assert report["score"] == 0
+    assert any("REPORT" in c["message"] for c in report["cases"]), report
+
+
+def _rank_returns_code():
+    class Forge:
+        def __reduce__(self):
+            return (os.system, ("touch /tmp/overlapkit-forged-by-a-rank",))
+
+    return Forge()
+
+
+def _rank_raises_code():
+    class Boom(Exception):
+        def __reduce__(self):
+            return (os.system, ("touch /tmp/overlapkit-forged-by-a-rank",))
+
+    raise Boom("boom")
+
+
+@pytest.mark.parametrize("fn", [_rank_returns_code, _rank_raises_code])
+def test_under_distrust_a_ranks_value_or_exception_runs_no_code_in_the_caller(fn):
+    marker = "/tmp/overlapkit-forged-by-a-rank"
+    if os.path.exists(marker):
+        os.remove(marker)
+    with plaindata.distrust(), pytest.raises(RankFailedError) as caught:
+        launch(fn, world_size=1, timeout=60, quiet=True)
+    assert not os.path.exists(marker)
+    assert "posix.system" in str(caught.value) or "Boom: boom" in str(caught.value)
+
+
+def test_under_distrust_plain_values_and_builtin_exceptions_come_back():
+    with plaindata.distrust():
+        got = launch(_plain_value, world_size=2, timeout=60, quiet=True)
+        assert got[1]["rank"] == 1 and got[0]["t"].tolist() == [0.0, 0.0]
+        with pytest.raises(NotImplementedError):
+            launch(_unfinished, world_size=1, timeout=60, quiet=True)
+
+
+def _plain_value():
+    import torch
+
+    import overlapkit as ok
+
+    return {"rank": ok.rank(), "t": torch.zeros(2), "pair": (1, "a")}
+
+
+def _unfinished():
+    raise NotImplementedError
+
+
+def _grade(tmp_path, labs, nb, cell_limit=120.0):
+    from overlapkit.grade import grade_notebook
+
+    return grade_notebook(_student(tmp_path, nb), labs, cell_limit=cell_limit)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
