@@ -200,3 +200,14 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_a_notebook_that_rewrites_the_lab_it_is_graded_against_stops_the_grading(tmp_path, labs):
+    """The kernel runs as the grader's user: it can write the lab (or the kit, or a .pth).
+    The grader cannot forbid it in-process, so it notices and stops rather than judge on."""
+    from overlapkit.grade.tamper import EnvironmentChanged
+
+    lab = labs / "99_grading_test.ipynb"
+    rewrite = f"import pathlib\np = pathlib.Path({str(lab)!r})\np.write_text(p.read_text() + ' ')"
+    with pytest.raises(EnvironmentChanged, match="99_grading_test.ipynb"):
+        _grade(tmp_path, labs, _notebook(ONE_F_ONE_B, ASSIGN, extra=[rewrite]))

@@ -17,6 +17,7 @@ from .kernel import adopt_orphans
 from .labs import LABS
 from .notebook import grade_notebook
 from .output import summary, write_csv, write_gradescope
+from .tamper import EnvironmentChanged
 
 PROG = "python -m overlapkit.grade"
 
@@ -101,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
             f"give --output a folder (OUTPUT/<student>/results.json), or --student NAME if "
             f"these notebooks are one submission"
         )
-    results = _grade_all(subs, args)
+    try:
+        results = _grade_all(subs, args)
+    except EnvironmentChanged as exc:  # stop: every later verdict would be suspect
+        print(f"{PROG}: stopped: {exc}", file=sys.stderr)
+        return 3
     if len(results) > 1:
         print(summary(results), file=sys.stderr)
     if args.format == "gradescope":

@@ -10,6 +10,7 @@ import nbformat
 from .judge import run_check
 from .kernel import execute
 from .labs import LABS, Exercise, check_calls, check_cell_problem, exercises_of, identify
+from .tamper import EnvironmentChanged, changes, fingerprint
 
 
 def grade_notebook(path: Path, labs: Path = LABS, cell_limit: float = 120.0,
@@ -41,7 +42,16 @@ def grade_notebook(path: Path, labs: Path = LABS, cell_limit: float = 120.0,
     kept = check_calls(student)
     names = sorted({n for ex in exercises for n in ex.names})
     with tempfile.TemporaryDirectory(prefix="overlapkit-grade-") as folder:
+        before = fingerprint(labs)
         found, notes = execute(student, names, folder, cell_limit, total_limit)
+        changed = changes(before, fingerprint(labs, like=before))
+        if changed:  # the judge would import or read what the notebook wrote
+            raise EnvironmentChanged(
+                f"grading {path} changed the grader's own files, so no verdict from here on "
+                f"can be trusted: {', '.join(changed[:5])}{' …' if len(changed) > 5 else ''}. "
+                "Restore them (reinstall the kit, regenerate labs/) and grade that notebook "
+                "where its kernel cannot write them (a container, a user of its own)"
+            )
         for ex in exercises:
             _grade_one(ex, found, kept, folder, check_limit)
     result["exercises"] = [_entry(ex) for ex in exercises]
