@@ -51,7 +51,12 @@ def _parser() -> argparse.ArgumentParser:
         help="every notebook found is this student's (one "
         "submission, e.g. Gradescope's /autograder/submission/)",
     )
-    parser.add_argument("--cell-timeout", type=float, default=120.0, help="seconds per cell")
+    parser.add_argument(
+        "--cell-timeout",
+        type=float,
+        default=60.0,
+        help="seconds per cell (after a cell had to be interrupted: 10)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per notebook")
     parser.add_argument("--check-timeout", type=float, default=300.0, help="seconds per check")
     parser.add_argument(

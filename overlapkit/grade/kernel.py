@@ -27,7 +27,7 @@ from .labs import _is_check_cell
 MARK = "@@overlapkit-grade@@"
 GRACE_S = 15.0  # after an interrupt, before the kernel's process group is killed (a loaded
 # machine can take seconds to deliver it: an import in C code does not see it)
-AFTER_HANG_S = 15.0  # the limit of every cell after one that had to be interrupted
+AFTER_HANG_S = 10.0  # the limit of every cell after one that had to be interrupted
 
 
 def _harvest_code(names: list[str], folder: str, real_file: str) -> str:
