@@ -194,7 +194,7 @@ def kit_labs(tmp_path):
         ("ring_allreduce-Copy1.ipynb", "03_ring_allreduce"),
         ("Copy of 05_async_ops (2).ipynb", "05_async_ops"),
         ("2024_jsmith_lab_11.ipynb", "11_tensor_expert_parallel"),
-        ("hw7.ipynb", "07_bucketing"),
+        ("7 - jsmith.ipynb", "07_bucketing"),
     ],
 )
 def test_the_file_name_finds_the_lab(kit_labs, name, lab):
@@ -202,10 +202,16 @@ def test_the_file_name_finds_the_lab(kit_labs, name, lab):
     assert found.path == kit_labs / f"{lab}.ipynb" and found.how == "file name", found
 
 
+@pytest.mark.parametrize("name", ["rank0.ipynb", "hw7.ipynb", "2024 final.ipynb"])
+def test_a_number_glued_to_a_word_or_a_year_names_no_lab(kit_labs, name):
+    found = identify(Path(name), kit_labs)
+    assert found.path is None and "no lab number in the file name" in found.error, found
+
+
 @pytest.mark.parametrize(
     "name, says",
     [
-        ("jsmith 3 v2.ipynb", "points at several labs (02, 03)"),
+        ("jsmith 3 2.ipynb", "points at several labs (02, 03)"),
         ("lab04_ring_allreduce.ipynb", "points at several labs (03, 04)"),
         ("final.ipynb", "no lab number in the file name 'final.ipynb'"),
         ("lab 42.ipynb", "no lab number in the file name 'lab 42.ipynb'"),

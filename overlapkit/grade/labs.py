@@ -237,7 +237,9 @@ def _from_name(filename: str, index: dict[str, Path]) -> set[str]:
                  for s in index if _number(s) == int(n)}  # fmt: skip
     if named or after_lab:
         return named | after_lab
-    numbers = {int(n) for n in re.findall(r"\d+", plain)}
+    # a number on its own ("7 - jsmith"), not glued to a word ("rank0", "hw7": a homework's
+    # number need not be the lab's) nor a year
+    numbers = {int(n) for n in re.findall(r"(?<![a-z0-9])(\d{1,2})(?![a-z0-9])", plain)}
     return {s for s in index if _number(s) in numbers}
 
 
