@@ -77,23 +77,29 @@ def test_messages_into_one_rank_share_its_incoming_link():
     assert root_end - first_start >= 3 * nbytes * link.beta * 0.999
 
 
-def _ring_step(nbytes):
+def _ring_step(nbytes, repeats=3):
     me, world = ok.rank(), ok.world_size()
     out, into = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    dist.barrier()
-    start = time.perf_counter()
-    p2p.wait_all([p2p.isend(out, (me + 1) % world), p2p.irecv(into, (me - 1) % world)])
-    return start, time.perf_counter()
+    spans = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        p2p.wait_all([p2p.isend(out, (me + 1) % world), p2p.irecv(into, (me - 1) % world)])
+        spans.append((start, time.perf_counter()))
+    return spans
 
 
 def test_a_ring_step_is_not_contended():
     link = ok.Link(latency_us=0, bandwidth_gbps=0.2)
     nbytes = 4 * MB  # one message: 21 ms; contended, it would be 3x that at a root
-    spans = ok.launch(_ring_step, nbytes, world_size=4, link=link)
-    for me, (start, end) in enumerate(spans):
-        left_start = spans[me - 1][0]  # my message left my left neighbour after this
-        assert end - left_start >= nbytes * link.beta * 0.999
-        assert end - start < 2 * nbytes * link.beta
+    steps = ok.launch(_ring_step, nbytes, world_size=4, link=link)
+    for me in range(4):
+        for (_, end), (left_start, _) in zip(steps[me], steps[me - 1], strict=True):
+            assert end - left_start >= nbytes * link.beta * 0.999  # never faster than the link
+        # a busy machine only adds time (4 ranks share 2 cores): the quickest of three
+        # steps shows the link; contention would make every one of them 3x as long
+        quickest = min(end - start for start, end in steps[me])
+        assert quickest < 2 * nbytes * link.beta, f"rank {me}: {quickest * 1e3:.1f} ms"
 
 
 def _cpu_while_waiting(nbytes):
