@@ -211,3 +211,13 @@ def test_a_notebook_that_rewrites_the_lab_it_is_graded_against_stops_the_grading
     rewrite = f"import pathlib\np = pathlib.Path({str(lab)!r})\np.write_text(p.read_text() + ' ')"
     with pytest.raises(EnvironmentChanged, match="99_grading_test.ipynb"):
         _grade(tmp_path, labs, _notebook(ONE_F_ONE_B, ASSIGN, extra=[rewrite]))
+
+
+def test_cells_after_the_last_check_are_not_run_so_a_hang_there_costs_nothing(tmp_path, labs):
+    nb = _notebook(ONE_F_ONE_B, ASSIGN)
+    nb.cells.append(nbformat.v4.new_code_cell("import time\ntime.sleep(600)  # a plot's loop"))
+    began = time.monotonic()
+    result = _grade(tmp_path, labs, nb, cell_limit=300)
+    assert result["score"] == 6.0
+    assert any("1 code cell(s) after the last check were not run" in n for n in result["notes"])
+    assert time.monotonic() - began < 250  # the sleeping cell would have taken 300 s

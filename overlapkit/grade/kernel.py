@@ -10,6 +10,7 @@ the notebook started (ranks, servers, daemons) is ended when it is done.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import json
 import os
@@ -85,9 +86,18 @@ def execute(student: nbformat.NotebookNode, names: list[str], folder: str, cell_
     import overlapkit  # noqa: PLC0415
 
     nb = nbformat.v4.new_notebook(metadata=student.metadata)
-    nb.cells = [c for c in student.cells if c.cell_type == "code" and not _is_check_cell(c)]
+    code = [c for c in student.cells if c.cell_type == "code"]
+    # what a check judges is the state at its cell: the cells after the last check cell
+    # and the last cell that defines an exercise's name (measurements, pictures) cannot
+    # change it, so they are not run (nor wait out a hang there)
+    needed = [i for i, c in enumerate(code) if _is_check_cell(c) or _defines(c, names)]
+    last = max(needed) + 1 if needed else len(code)
+    nb.cells = [c for c in code[:last] if not _is_check_cell(c)]
+    position = {id(c): k + 1 for k, c in enumerate(student.cells)}
+    labels = [_label(position[id(c)], c) for c in nb.cells]
     harvest = nbformat.v4.new_code_cell(_harvest_code(names, folder, overlapkit.__file__))
     nb.cells.append(harvest)
+    labels.append("the grader's last cell (it saves the exercises)")
     before = _descendants()
     with tempfile.TemporaryDirectory(prefix="overlapkit-kernel-") as home:
         client = NotebookClient(nb, timeout=int(cell_limit), interrupt_on_timeout=True,
@@ -96,13 +106,16 @@ def execute(student: nbformat.NotebookNode, names: list[str], folder: str, cell_
         try:
             with client.setup_kernel():
                 try:
-                    notes = _run_cells(client, nb, harvest, cell_limit, total_limit)
+                    notes = _run_cells(client, nb, harvest, cell_limit, total_limit, labels)
                 finally:  # while the kernel lives, what it started is still in our tree
                     _end_new_processes(before, spare=_kernel_pid(client))
         finally:
             _end_new_processes(before)  # and what left it, where adopt_orphans() was called
     if notes and notes[-1].startswith("the kernel"):
         return {}, notes
+    if last < len(code):
+        notes.append(f"{len(code) - last} code cell(s) after the last check were not run: "
+                     "they cannot change what is graded")  # fmt: skip
     text = _stream_text(harvest)
     line = next((ln for ln in text.splitlines() if ln.startswith(MARK)), None)
     try:
@@ -112,7 +125,35 @@ def execute(student: nbformat.NotebookNode, names: list[str], folder: str, cell_
     return (found if isinstance(found, dict) else {}), notes
 
 
-def _run_cells(client, nb, harvest, cell_limit: float, total_limit: float) -> list[str]:
+def _defines(cell, names: list[str]) -> bool:
+    """Whether the cell binds one of ``names`` (def, class, assignment, import)."""
+    try:
+        tree = ast.parse(cell.source)
+    except SyntaxError:
+        return any(n in cell.source for n in names)  # cannot tell: keep it
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound = [node.name]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            bound = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound = [(a.asname or a.name).split(".")[0] for a in node.names]
+        else:
+            continue
+        if set(bound) & set(names):
+            return True
+    return False
+
+
+def _label(number: int, cell) -> str:
+    """How a note names a cell: its place in the notebook and its first line."""
+    first = cell.source.strip().splitlines()[0][:60] if cell.source.strip() else ""
+    return f"cell {number} ({first!r})"
+
+
+def _run_cells(client, nb, harvest, cell_limit: float, total_limit: float,
+               labels: list[str]) -> list[str]:  # fmt: skip
     """Each cell under a watchdog; returns the notes (the last one says so if the kernel
     had to be ended: nothing can be harvested then)."""
     from nbclient.exceptions import CellTimeoutError, DeadKernelError  # noqa: PLC0415
@@ -136,18 +177,17 @@ def _run_cells(client, nb, harvest, cell_limit: float, total_limit: float) -> li
             except DeadKernelError:
                 if killed:
                     why = f"past its {this:g} s limit"
-                    return [*notes, f"the kernel ignored the interrupt at cell {i + 1} ({why}) "
+                    return [*notes, f"the kernel ignored the interrupt at {labels[i]} ({why}) "
                             "and was ended: nothing could be graded"]  # fmt: skip
-                return [*notes, f"the kernel died in cell {i + 1}: nothing could be graded"]
+                return [*notes, f"the kernel died in {labels[i]}: nothing could be graded"]
         if time.monotonic() - began >= this:
             why = "per cell" if this >= limit else "left for the notebook"
-            notes.append(f"cell {i + 1} ran past the {this:g} s limit {why} and was interrupted")
+            notes.append(f"{labels[i]} ran past the {this:g} s limit {why} and was interrupted")
             limit = min(limit, AFTER_HANG_S)  # one hang is enough to wait for
             continue
         error = _errors(cell)
         if error and not last:
-            first = cell.source.strip().splitlines()[0][:60] if cell.source.strip() else ""
-            notes.append(f"cell {i + 1} ({first!r}) raised {error}")
+            notes.append(f"{labels[i]} raised {error}")
     return notes
 
 
