@@ -9,7 +9,7 @@ from .collectives import check_all_gather, check_all_reduce, check_reduce_scatte
 from .ddp import check_assign_buckets, check_bucketed_ddp, check_hook_ddp
 from .lab00 import check_fit_alpha_beta, check_ping_pong
 from .lab01 import check_bytes_moved
-from .lab04 import check_zero1_step
+from .lab04 import check_memory_per_rank, check_zero1_step
 from .lab05 import check_overlapped_step, check_timed_step
 from .lab09 import check_average_parameters
 from .lab10 import check_tuning
@@ -27,6 +27,7 @@ POINTS = {
     "check_reduce_scatter": 3,
     "check_all_gather": 3,
     "check_zero1_step": 4,
+    "check_memory_per_rank": 2,
     "check_overlapped_step": 3,
     "check_timed_step": 2,
     "check_hook_ddp": 5,
@@ -50,6 +51,7 @@ __all__ = [
     "check_all_gather",
     "check_bytes_moved",
     "check_zero1_step",
+    "check_memory_per_rank",
     "check_overlapped_step",
     "check_timed_step",
     "check_hook_ddp",
