@@ -221,3 +221,17 @@ def test_cells_after_the_last_check_are_not_run_so_a_hang_there_costs_nothing(tm
     assert result["score"] == 6.0
     assert any("1 code cell(s) after the last check were not run" in n for n in result["notes"])
     assert time.monotonic() - began < 250  # the sleeping cell would have taken 300 s
+
+
+def test_a_same_size_edit_with_its_modification_time_put_back_is_still_noticed(tmp_path, labs):
+    """``os.utime`` can restore a file's modification time, not its change time."""
+    from overlapkit.grade.tamper import EnvironmentChanged
+
+    lab = labs / "99_grading_test.ipynb"
+    sneak = (
+        f"import os, pathlib\np = pathlib.Path({str(lab)!r})\nst = os.stat(p)\n"
+        "p.write_text(p.read_text().replace('a lab', 'A lab'))\n"
+        "os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))"
+    )
+    with pytest.raises(EnvironmentChanged, match="99_grading_test.ipynb"):
+        _grade(tmp_path, labs, _notebook(ONE_F_ONE_B, ASSIGN, extra=[sneak]))

@@ -29,18 +29,20 @@ import threading
 from .labs import Exercise
 
 _RUNNER = r"""
-import sys
-sys.path[:] = [p for p in sys.path if p not in ("", ".")]  # no folder of the student's
-import ctypes, json, os
-try:  # PR_SET_DUMPABLE 0: other processes of this user cannot read our memory or fds
+import ctypes, sys
+try:  # first: PR_SET_DUMPABLE 0, no other process of this user may open our fds or memory
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
 except Exception:
     pass
+sys.stdout.write("ready\n")  # only now does the grader send the secret
+sys.stdout.flush()
+secret = sys.stdin.readline().strip()
+sys.path[:] = [p for p in sys.path if p not in ("", ".")]  # no folder of the student's
+import json, os
 import overlapkit as ok  # the kit first, before anything the notebook left
 from overlapkit import plaindata
 from overlapkit.grading.sealed import Sealed
 plaindata.distrust_from_now()
-secret = sys.stdin.readline().strip()
 out = os.fdopen(int(sys.argv[1]), "w")
 check, folder = sys.argv[2], sys.argv[3]
 names, kwargs, shown = json.loads(sys.argv[4]), json.loads(sys.argv[5]), json.loads(sys.argv[6])
@@ -57,50 +59,67 @@ for n in names:
             data = (Sealed(n, f.read(), shown.get(n)),)
     objs.append(data[0])
 report = getattr(ok.grading, check)(*objs, **kwargs)
-out.write(json.dumps({"secret": secret, "report": report.to_dict()}))
+out.write(json.dumps({"secret": secret, "report": report.to_dict()}) + "\n")
 out.close()
 """
 
 
 def run_check(ex: Exercise, folder: str, limit: float, shown: dict | None = None) -> dict | str:
     """The lab's check on the saved objects, in a fresh isolated process (in an empty folder
-    of its own): its report, or why not. ``shown``: the objects' own names, for messages."""
+    of its own): its report, or why not. ``shown``: the objects' own names, for messages.
+
+    The secret goes to the judge only after it has made itself undumpable (it says "ready"
+    first), and the report is the first line on its pipe that carries the secret: lines
+    anyone else managed to write there count for nothing. Whatever the judge's ranks
+    started, also in sessions of their own, is ended when it is done."""
+    from .kernel import _descendants, _end_new_processes  # noqa: PLC0415
+
     secret = secrets.token_hex(16)
     read, write = os.pipe()
-    chunks: list[bytes] = []
+    found: list[dict] = []
 
     def drain():
         with os.fdopen(read, "rb") as pipe:
-            chunks.append(pipe.read())
+            for line in pipe:
+                try:
+                    got = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(got, dict) and got.get("secret") == secret:
+                    found.append(got)
+                    return
 
     reader = threading.Thread(target=drain, daemon=True)
+    before = _descendants()
+    err = b""
     with tempfile.TemporaryDirectory(prefix="overlapkit-judge-") as home:
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-c", _RUNNER, str(write), ex.check, folder,
                  json.dumps(ex.names), json.dumps(ex.kwargs), json.dumps(shown or {})],
-                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 pass_fds=(write,), cwd=home, start_new_session=True,
             )  # fmt: skip
         finally:
             os.close(write)
         reader.start()
         try:
-            _, err = proc.communicate(secret.encode() + b"\n", timeout=limit)
+            if proc.stdout.readline().strip() == b"ready":
+                proc.stdin.write(secret.encode() + b"\n")
+                proc.stdin.flush()
+            _, err = proc.communicate(timeout=limit)
         except subprocess.TimeoutExpired:
-            _end(proc)
             return f"the check did not finish within {limit:g} s"
+        except OSError:
+            pass
         finally:
             _end(proc)
+            _end_new_processes(before)
             reader.join(5)
-    try:
-        got = json.loads(b"".join(chunks) or b"null")
-    except ValueError:
-        got = None
-    if not isinstance(got, dict) or got.get("secret") != secret:
-        tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+    if not found:
+        tail = (err or b"").decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
         return f"the check could not run: {tail[0][:300]}"
-    return got["report"]
+    return found[0]["report"]
 
 
 def _end(proc: subprocess.Popen) -> None:

@@ -44,22 +44,29 @@ def grade_notebook(path: Path, labs: Path = LABS, cell_limit: float = 60.0,
     with tempfile.TemporaryDirectory(prefix="overlapkit-grade-") as folder:
         before = fingerprint(labs)
         found, notes = execute(student, names, folder, cell_limit, total_limit)
-        changed = changes(before, fingerprint(labs, like=before))
-        if changed:  # the judge would import or read what the notebook wrote
-            raise EnvironmentChanged(
-                f"grading {path} changed the grader's own files, so no verdict from here on "
-                f"can be trusted: {', '.join(changed[:5])}{' …' if len(changed) > 5 else ''}. "
-                "Restore them (reinstall the kit, regenerate labs/) and grade that notebook "
-                "where its kernel cannot write them (a container, a user of its own)"
-            )
         for ex in exercises:
+            _unchanged(path, labs, before)  # after the kernel, and after every judge's ranks
             _grade_one(ex, found, kept, folder, check_limit)
+        _unchanged(path, labs, before)
     result["exercises"] = [_entry(ex) for ex in exercises]
     result["score"] = round(sum(ex.earned for ex in exercises), 4)
     notes = identity.notes + notes
     if notes:
         result["notes"] = notes
     return result
+
+
+def _unchanged(path: Path, labs: Path, before: dict) -> None:
+    """Raise :class:`EnvironmentChanged` when the grader's files differ from ``before``: the
+    judge would import or read what the notebook (or a process it left) wrote."""
+    changed = changes(before, fingerprint(labs, like=before))
+    if changed:
+        raise EnvironmentChanged(
+            f"grading {path} changed the grader's own files, so no verdict from here on "
+            f"can be trusted: {', '.join(changed[:5])}{' …' if len(changed) > 5 else ''}. "
+            "Restore them (reinstall the kit, regenerate labs/) and grade that notebook "
+            "where its kernel cannot write them (a container, a user of its own)"
+        )
 
 
 def _grade_one(ex: Exercise, found: dict, kept: list, folder: str, limit: float):
