@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--cell-timeout",
         type=float,
-        default=60.0,
+        default=120.0,
         help="seconds per cell (after a cell had to be interrupted: 10)",
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per notebook")

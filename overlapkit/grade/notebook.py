@@ -13,7 +13,7 @@ from .labs import LABS, Exercise, check_calls, check_cell_problem, exercises_of,
 from .tamper import EnvironmentChanged, changes, fingerprint
 
 
-def grade_notebook(path: Path, labs: Path = LABS, cell_limit: float = 60.0,
+def grade_notebook(path: Path, labs: Path = LABS, cell_limit: float = 120.0,
                    total_limit: float = 600.0, check_limit: float = 300.0,
                    lab: str | int | None = None) -> dict:  # fmt: skip
     """Grade the notebook at ``path`` against the lab it was made from, found in ``labs``
