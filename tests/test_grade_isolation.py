@@ -235,3 +235,36 @@ def test_a_same_size_edit_with_its_modification_time_put_back_is_still_noticed(t
     )
     with pytest.raises(EnvironmentChanged, match="99_grading_test.ipynb"):
         _grade(tmp_path, labs, _notebook(ONE_F_ONE_B, ASSIGN, extra=[sneak]))
+
+
+def _bytes_by_the_kit(collective, nbytes, world):
+    from overlapkit.costmodel import bytes_moved_per_rank as count  # bound early, renamed
+
+    return count(collective, nbytes, world)
+
+
+def _buckets_by_the_kit(sizes, bucket_mb):
+    import overlapkit.costmodel as cm
+
+    return cm.ddp_buckets(sizes, bucket_mb)
+
+
+@pytest.mark.parametrize(
+    "check, fn, words",
+    [
+        ("check_bytes_moved", _bytes_by_the_kit, "ok.costmodel.bytes_moved_per_rank"),
+        ("check_assign_buckets", _buckets_by_the_kit, "ok.costmodel.ddp_buckets"),
+    ],
+)
+def test_the_kits_own_answer_under_another_name_scores_zero_also_in_the_judge(check, fn, words):
+    """In a notebook (in-process) and as the judge holds it (sealed, called on a rank)."""
+    import cloudpickle
+
+    import overlapkit as ok
+    from overlapkit.grading.sealed import Sealed
+
+    for learner in (fn, Sealed(fn.__name__, cloudpickle.dumps(fn))):
+        with plaindata.distrust():
+            report = getattr(ok.grading, check)(learner)
+        assert report.score == 0, report.cases
+        assert words in report.cases[0][1] and "the kit's own answer" in report.cases[0][1]

@@ -351,7 +351,9 @@ def test_wrong_values_keep_their_messages(fn, said):
 
 
 def _per_rank(collective, nbytes, world):
-    return ok.costmodel.bytes_moved_per_rank(collective, nbytes, world)
+    # a learner's own count (the kit's bytes_moved_per_rank would be refused as its answer)
+    one_pass = (world - 1) / world * nbytes
+    return 2 * one_pass if collective == "all_reduce" else one_pass
 
 
 def _failures(fn):

@@ -6,6 +6,7 @@ import contextlib
 import math
 import os
 import re
+import sys
 
 from ..launcher import LaunchError, LaunchTimeoutError
 from . import sealed
@@ -115,17 +116,27 @@ class Unfinished(Exception):
     """Raised by :func:`call_or_report` when the exercise still raises NotImplementedError."""
 
 
-def call_or_report(report: Report, what: str, fn, *args):
+def call_or_report(report: Report, what: str, fn, *args, forbid=None):
     """Call a learner's single-process function; a crash becomes one ✘ line (and None),
-    an unfinished exercise raises :class:`Unfinished` after its ✘ line (stop checking)."""
+    an unfinished exercise raises :class:`Unfinished` after its ✘ line (stop checking).
+    ``forbid``: the kit's own answer; the call fails (and checking stops) when its code
+    runs during the learner's call, under whatever name it was reached."""
     try:
-        return True, fn(*args)
+        with contextlib.ExitStack() as stack:
+            ran = stack.enter_context(executed(forbid)) if forbid is not None else []
+            value = fn(*args)
     except NotImplementedError:
         report.fail(f"{what}: not implemented yet (still raises NotImplementedError)")
         raise Unfinished from None
     except Exception as exc:  # noqa: BLE001 - a crash is one ✘ line
         report.fail(f"{what}: raised {type(exc).__name__}: {exc}")
         return False, None
+    if ran:
+        owner = forbid.__module__.replace("overlapkit.", "ok.")
+        report.fail(f"{what}: your function called {owner}.{forbid.__name__}, the kit's own "
+                    "answer (under whatever name): work it out yourself")  # fmt: skip
+        raise Unfinished
+    return True, value
 
 
 # the *_single names exist from torch 2.13 on
@@ -160,6 +171,25 @@ def recorded_calls(root, names, prefix: str = ""):
     finally:
         for owner, attr, original in saved:
             setattr(owner, attr, original)
+
+
+@contextlib.contextmanager
+def executed(fn):
+    """Record each time ``fn``'s code runs in this thread, however it was reached (an alias,
+    ``from … import``): yields a list that grows by one per call (a sealed student function
+    called meanwhile watches for it on its own rank)."""
+    code, ran, before = fn.__code__, [], sys.getprofile()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is code:
+            ran.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        with sealed.watching(("code", fn.__module__, fn.__qualname__), ran):
+            yield ran
+    finally:
+        sys.setprofile(before)
 
 
 def builtin_collectives():

@@ -507,7 +507,8 @@ def check_assign_buckets(assign_buckets) -> Report:
     for what, sizes, mb in BUCKET_CASES:
         want = ddp_buckets(sizes, mb)
         try:
-            ran, got = call_or_report(report, what, assign_buckets, list(sizes), mb)
+            ran, got = call_or_report(report, what, assign_buckets, list(sizes), mb,
+                                      forbid=ddp_buckets)  # fmt: skip
         except Unfinished:
             return report
         if not ran:

@@ -19,6 +19,7 @@ import threading
 import torch
 
 from ..costmodel import bytes_moved_per_rank
+from .common import executed
 from .report import Report
 from .traffic import COLLECTIVES, KIT_COLLECTIVES
 
@@ -255,7 +256,8 @@ def check_bytes_moved(bytes_moved) -> Report:
     for collective, nbytes, world in CASES:
         label = f"bytes_moved({collective!r}, {int(nbytes):,}, {world})"
         try:
-            got = bytes_moved(collective, nbytes, world)
+            with executed(bytes_moved_per_rank) as ran:
+                got = bytes_moved(collective, nbytes, world)
         except NotImplementedError:
             report.fail(
                 f"{label}: not implemented yet (the function still raises NotImplementedError)"
@@ -264,6 +266,12 @@ def check_bytes_moved(bytes_moved) -> Report:
         except Exception as exc:
             report.fail(f"{label} raised {type(exc).__name__}: {exc}")
             continue
+        if ran:
+            report.fail(
+                f"{label}: your function called ok.costmodel.bytes_moved_per_rank, "
+                "the kit's own answer (under whatever name): count them yourself"
+            )
+            return report
         want = bytes_moved_per_rank(collective, nbytes, world)
         if isinstance(got, (int, float)) and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9):
             report.ok(f"{label} = {want:,.0f}")

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import io
 import re
-import sys
 import time
 
 import torch
 
 from .. import handles
 from ..pipeline import make_schedule
-from . import sealed
 from .collectives import CHECK_LINK
-from .common import Unfinished, call_or_report, recorded_calls, run_or_report
+from .common import Unfinished, call_or_report, executed, recorded_calls, run_or_report
 from .report import Report
 
 SCHEDULE_CASES = [(2, 4), (2, 1), (3, 4), (4, 6), (4, 2), (2, 7)]
@@ -36,7 +33,7 @@ def check_1f1b_schedule(one_f_one_b) -> Report:
     # the cases are judged quietly first: lists the kit's own code made earn nothing
     quiet = Report(report.exercise, file=io.StringIO())
     with recorded_calls(overlapkit, ["pipeline.make_schedule"]) as library:
-        with _executed(make_schedule) as ran:  # also under another name
+        with executed(make_schedule) as ran:  # also under another name
             _check_schedules(quiet, one_f_one_b, wants)
     if library or ran:
         report.fail(
@@ -47,25 +44,6 @@ def check_1f1b_schedule(one_f_one_b) -> Report:
     for passed, message in quiet.cases:
         (report.ok if passed else report.fail)(message)
     return report
-
-
-@contextlib.contextmanager
-def _executed(fn):
-    """Record each time ``fn``'s code runs in this thread, however it was reached (an alias,
-    ``from … import``): yields a list that grows by one per call (a sealed student function
-    called meanwhile watches for it on its own rank)."""
-    code, ran, before = fn.__code__, [], sys.getprofile()
-
-    def profile(frame, event, arg):
-        if event == "call" and frame.f_code is code:
-            ran.append(frame.f_code.co_name)
-
-    sys.setprofile(profile)
-    try:
-        with sealed.watching(("code", fn.__module__, fn.__qualname__), ran):
-            yield ran
-    finally:
-        sys.setprofile(before)
 
 
 def _check_schedules(report: Report, one_f_one_b, wants) -> None:

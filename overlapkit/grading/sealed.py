@@ -36,6 +36,7 @@ class Sealed:
     def __init__(self, name: str, data: bytes, shown: str | None = None):
         self.name, self.data = name, data
         self.__name__ = self.__qualname__ = shown or name
+        self.hung: float | None = None  # the limit of a call that did not return
 
     def __reduce__(self):
         # what travels to a rank is the student's own pickle: there it is the object again
@@ -70,6 +71,10 @@ def call(fn, *args, timeout: float = CALL_TIMEOUT_S, **kwargs):
     """
     from ..launcher import LaunchTimeoutError, dumps_keeping_filenames, launch  # noqa: PLC0415
 
+    name = getattr(fn, "__name__", "the function")
+    if getattr(fn, "hung", None) is not None:  # one hang is enough to wait for, not one per case
+        raise TimeoutError(f"{name}() did not return within {fn.hung:g} s in an earlier case: "
+                           "not called again")  # fmt: skip
     watched = list(_watching)
     try:
         value, seen = launch(
@@ -82,9 +87,9 @@ def call(fn, *args, timeout: float = CALL_TIMEOUT_S, **kwargs):
             quiet=True,
         )[0]
     except LaunchTimeoutError:
-        raise TimeoutError(
-            f"{getattr(fn, '__name__', 'the function')}() did not return within {timeout:g} s"
-        ) from None
+        if isinstance(fn, Sealed):
+            fn.hung = timeout
+        raise TimeoutError(f"{name}() did not return within {timeout:g} s") from None
     for (_, into), got in zip(watched, _as_lists(seen, len(watched)), strict=True):
         into.extend(got)
     return value
@@ -100,8 +105,7 @@ def _as_lists(seen, n: int) -> list[list]:
 def _call_on_rank(fn_bytes: bytes, args_bytes: bytes, watch: list):
     """On the rank: start watching, then unpickle the student's function (so a name it
     imported is the watched one) and call it; returns (value, what each watch saw)."""
-    from .common import recorded_calls  # noqa: PLC0415
-    from .pipeline import _executed  # noqa: PLC0415
+    from .common import executed, recorded_calls  # noqa: PLC0415
 
     with contextlib.ExitStack() as stack:
         seen = []
@@ -115,7 +119,7 @@ def _call_on_rank(fn_bytes: bytes, args_bytes: bytes, watch: list):
                 obj = importlib.import_module(module)
                 for part in qualname.split("."):
                     obj = getattr(obj, part)
-                seen.append(stack.enter_context(_executed(obj)))
+                seen.append(stack.enter_context(executed(obj)))
         fn = cloudpickle.loads(fn_bytes)
         args, kwargs = cloudpickle.loads(args_bytes)
         value = fn(*args, **kwargs)
