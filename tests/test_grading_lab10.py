@@ -31,9 +31,10 @@ def table_of(before, after):
             for side, m in (("before", before), ("after", after))}  # fmt: skip
 
 
-def honest_table(tuned, tries=3):
+def honest_table(tuned, tries=5):
     """Before and after as the lab measures them, measured again (as a learner would)
-    while the table's own numbers miss the goal: a busier spell can slow one launch."""
+    while the table's own numbers miss the goal: a busier spell can slow one launch (beside
+    a CPU hog, three 1 MiB pairs in a row once took 1.17x the baseline's step or more)."""
     for _ in range(tries):
         before, after = measure(BASELINE), measure(tuned)
         if after["hidden"] >= lab10.TARGET_HIDDEN and (
