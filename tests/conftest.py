@@ -87,3 +87,12 @@ def cpu_hog():
     yield hog
     hog.kill()
     hog.wait()
+
+
+@pytest.fixture
+def labs(tmp_path):
+    """A labs folder with the grader tests' tiny lab (tests/tinylab.py), both exercises
+    unfinished."""
+    from tests.tinylab import write_lab  # noqa: PLC0415
+
+    return write_lab(tmp_path / "labs")

@@ -1,7 +1,7 @@
 """``python -m overlapkit.grade``: scores, reasons, limits, tampering, formats.
 
-A small lab of two single-process exercises (lab 08's 1F1B generator and lab 07's
-bucket assignment) keeps these fast; the real labs are graded by the same code.
+They grade the tiny lab of tests/tinylab.py (two single-process exercises, fast); the
+real labs are graded by the same code.
 """
 
 import json
@@ -9,60 +9,17 @@ import subprocess
 import sys
 
 import nbformat
-import pytest
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+from nbformat.v4 import new_code_cell
 
 from overlapkit.grade import grade_notebook
-
-ONE_F_ONE_B = """def one_f_one_b(stages, micro_batches):
-    plan = []
-    for s in range(stages):
-        warm = min(stages - s - 1, micro_batches)
-        actions = [f"F{k}" for k in range(warm)]
-        for k in range(micro_batches - warm):
-            actions += [f"F{warm + k}", f"B{k}"]
-        actions += [f"B{k}" for k in range(micro_batches - warm, micro_batches)]
-        plan.append(actions)
-    return plan"""
-
-ASSIGN = """def assign_buckets(sizes, bucket_mb):
-    limit = float("inf") if bucket_mb is None else bucket_mb * 2**20
-    buckets, total = [], 0
-    for i, nbytes in enumerate(sizes):
-        if buckets and total + nbytes <= limit:
-            buckets[-1].append(i)
-            total += nbytes
-        else:
-            buckets.append([i])
-            total = nbytes
-    return buckets"""
-
-UNFINISHED = "def {name}(*args):\n    # YOUR CODE HERE\n    raise NotImplementedError"
-CHECK_1F1B = "ok.grading.check_1f1b_schedule(one_f_one_b)"
-CHECK_BUCKETS = "ok.grading.check_assign_buckets(assign_buckets)"
-
-
-def _notebook(first, second, extra=(), checks=(CHECK_1F1B, CHECK_BUCKETS)):
-    cells = [new_markdown_cell("# a lab"), new_code_cell("import overlapkit as ok"),
-             *[new_code_cell(c) for c in extra], new_code_cell(first),
-             new_code_cell(checks[0]), new_code_cell(second), new_code_cell(checks[1])]  # fmt: skip
-    nb = new_notebook(cells=cells)
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
-    return nb
-
-
-@pytest.fixture
-def labs(tmp_path):
-    """A labs folder with the original: both exercises unfinished."""
-    folder = tmp_path / "labs"
-    folder.mkdir()
-    lab = _notebook(UNFINISHED.format(name="one_f_one_b"), UNFINISHED.format(name="assign_buckets"))
-    nbformat.write(lab, folder / "99_grading_test.ipynb")
-    return folder
+from tests.tinylab import (
+    ASSIGN,
+    CHECK_1F1B,
+    CHECK_BUCKETS,
+    ONE_F_ONE_B,
+    UNFINISHED,
+    notebook,
+)
 
 
 def _student(tmp_path, nb, name="99_grading_test.ipynb"):
@@ -78,7 +35,7 @@ def _by_name(result):
 
 
 def test_a_solved_notebook_gets_full_marks_and_the_lab_itself_zero(tmp_path, labs):
-    solved = grade_notebook(_student(tmp_path, _notebook(ONE_F_ONE_B, ASSIGN)), labs)
+    solved = grade_notebook(_student(tmp_path, notebook(ONE_F_ONE_B, ASSIGN)), labs)
     assert solved["score"] == solved["max_score"] == 6.0  # 3 + 3 points
     assert all(e["points"] == e["max_points"] for e in solved["exercises"])
     blank = grade_notebook(labs / "99_grading_test.ipynb", labs)
@@ -88,7 +45,7 @@ def test_a_solved_notebook_gets_full_marks_and_the_lab_itself_zero(tmp_path, lab
 
 def test_one_broken_exercise_gives_partial_marks_with_its_reason(tmp_path, labs):
     broken = ONE_F_ONE_B.replace("warm = min(stages - s - 1, micro_batches)", "warm = 0")
-    result = grade_notebook(_student(tmp_path, _notebook(broken, ASSIGN)), labs)
+    result = grade_notebook(_student(tmp_path, notebook(broken, ASSIGN)), labs)
     ex = _by_name(result)
     assert ex["assign_buckets"]["points"] == 3.0
     assert ex["1f1b_schedule"]["points"] < 3.0
@@ -98,7 +55,7 @@ def test_one_broken_exercise_gives_partial_marks_with_its_reason(tmp_path, labs)
 
 def test_a_hanging_cell_and_a_hanging_exercise_are_scored_within_the_limits(tmp_path, labs):
     hang = "def one_f_one_b(stages, micro_batches):\n    while True:\n        pass"
-    nb = _notebook(hang, ASSIGN, extra=["import time\ntime.sleep(600)"])
+    nb = notebook(hang, ASSIGN, extra=["import time\ntime.sleep(600)"])
     # limits long enough for a loaded machine to import torch in the kernel and the judge
     result = grade_notebook(_student(tmp_path, nb), labs, cell_limit=15, check_limit=40)
     ex = _by_name(result)
@@ -111,7 +68,7 @@ def test_a_hanging_cell_and_a_hanging_exercise_are_scored_within_the_limits(tmp_
 def test_an_edited_check_cell_scores_zero_and_does_not_raise_the_score(tmp_path, labs):
     tampered = (CHECK_1F1B.replace("check_1f1b_schedule(one_f_one_b)", "check_1f1b_schedule(x)"),
                 CHECK_BUCKETS)  # fmt: skip
-    nb = _notebook(UNFINISHED.format(name="one_f_one_b"), ASSIGN, checks=tampered)
+    nb = notebook(UNFINISHED.format(name="one_f_one_b"), ASSIGN, checks=tampered)
     nb.cells.append(new_code_cell('print("✔ all good")'))
     ex = _by_name(grade_notebook(_student(tmp_path, nb), labs))
     assert ex["1f1b_schedule"]["points"] == 0
@@ -123,7 +80,7 @@ def test_a_notebook_with_its_own_ok_scores_zero_with_the_reason(tmp_path, labs):
         "class ok:\n    class grading:\n        @staticmethod\n"
         "        def check_1f1b_schedule(f):\n            print('✔')"
     )
-    nb = _notebook(ONE_F_ONE_B, ASSIGN, extra=[fake])
+    nb = notebook(ONE_F_ONE_B, ASSIGN, extra=[fake])
     result = grade_notebook(_student(tmp_path, nb), labs)
     assert result["score"] == 0
     assert "binds `ok` to something else" in result["exercises"][0]["feedback"]
@@ -131,7 +88,7 @@ def test_a_notebook_with_its_own_ok_scores_zero_with_the_reason(tmp_path, labs):
 
 def test_grading_a_folder_prints_one_result_per_notebook_and_gradescope_json(tmp_path, labs):
     for i in range(2):  # each notebook takes a kernel and two judges: ~30 s on a busy machine
-        nb = _notebook(ONE_F_ONE_B if i % 2 else UNFINISHED.format(name="one_f_one_b"), ASSIGN)
+        nb = notebook(ONE_F_ONE_B if i % 2 else UNFINISHED.format(name="one_f_one_b"), ASSIGN)
         _student(tmp_path, nb, f"student{i}.ipynb")
     # the graded notebooks are named as the lab they come from
     (labs / "student0.ipynb").write_text((labs / "99_grading_test.ipynb").read_text())
@@ -159,6 +116,6 @@ def test_grading_a_folder_prints_one_result_per_notebook_and_gradescope_json(tmp
 
 
 def test_a_notebook_that_is_not_a_lab_is_reported_not_crashed(tmp_path, labs):
-    path = _student(tmp_path, _notebook(ONE_F_ONE_B, ASSIGN), "unknown.ipynb")
+    path = _student(tmp_path, notebook(ONE_F_ONE_B, ASSIGN), "unknown.ipynb")
     result = grade_notebook(path, labs)
     assert "not a lab of this kit" in result["error"] and result["score"] == 0

@@ -24,35 +24,9 @@ from overlapkit.grade.labs import (
     exercises_of,
     identify,
 )
+from tests.tinylab import ASSIGN, CHECK_1F1B, CHECK_BUCKETS, LAB, ONE_F_ONE_B
 
 ROOT = Path(__file__).resolve().parents[1]
-
-ONE_F_ONE_B = """def one_f_one_b(stages, micro_batches):
-    plan = []
-    for s in range(stages):
-        warm = min(stages - s - 1, micro_batches)
-        actions = [f"F{k}" for k in range(warm)]
-        for k in range(micro_batches - warm):
-            actions += [f"F{warm + k}", f"B{k}"]
-        actions += [f"B{k}" for k in range(micro_batches - warm, micro_batches)]
-        plan.append(actions)
-    return plan"""
-
-ASSIGN = """def assign_buckets(sizes, bucket_mb):
-    limit = float("inf") if bucket_mb is None else bucket_mb * 2**20
-    buckets, total = [], 0
-    for i, nbytes in enumerate(sizes):
-        if buckets and total + nbytes <= limit:
-            buckets[-1].append(i)
-            total += nbytes
-        else:
-            buckets.append([i])
-            total = nbytes
-    return buckets"""
-
-CHECK_1F1B = "ok.grading.check_1f1b_schedule(one_f_one_b)"
-CHECK_BUCKETS = "ok.grading.check_assign_buckets(assign_buckets)"
-LAB = "99_grading_test"
 
 
 def _marked(code: str) -> str:

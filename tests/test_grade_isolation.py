@@ -2,7 +2,7 @@
 code hidden in pickles and return values, kernels that ignore interrupts, processes left
 behind. Each forgery scores 0 for its exercise; the honest exercise beside it scores full.
 
-Uses the tiny two-exercise lab of tests/test_grade.py (1F1B schedule + bucket assignment,
+Uses the tiny two-exercise lab of tests/tinylab.py (1F1B schedule + bucket assignment,
 3 points each), whose checks call the learner's function in the judge's place: on a rank
 of its own (``overlapkit.grading.sealed``).
 """
@@ -21,18 +21,8 @@ from overlapkit import plaindata
 from overlapkit.grade.judge import run_check
 from overlapkit.grade.labs import Exercise
 from overlapkit.launcher import RankFailedError, launch
-from tests.test_grade import ASSIGN, ONE_F_ONE_B, UNFINISHED, _by_name, _notebook, _student
-
-
-@pytest.fixture
-def labs(tmp_path):
-    """The tiny lab of tests/test_grade.py: both exercises unfinished."""
-    folder = tmp_path / "labs"
-    folder.mkdir()
-    lab = _notebook(UNFINISHED.format(name="one_f_one_b"), UNFINISHED.format(name="assign_buckets"))
-    nbformat.write(lab, folder / "99_grading_test.ipynb")
-    return folder
-
+from tests.test_grade import _by_name, _student
+from tests.tinylab import ASSIGN, ONE_F_ONE_B, notebook
 
 FORGED = '{"score": 1.0, "cases": [{"passed": true, "message": "forged"}]}'
 
@@ -72,7 +62,7 @@ for folder in (pathlib.Path.cwd(), pathlib.Path(HERE)):
 
 def test_a_forged_verdict_or_a_pickle_that_runs_code_scores_zero_beside_full_marks(tmp_path, labs):
     for forger in (PRINTS_A_VERDICT, REDUCE_AT_LOAD):
-        result = _grade(tmp_path, labs, _notebook(ONE_F_ONE_B, forger))
+        result = _grade(tmp_path, labs, notebook(ONE_F_ONE_B, forger))
         ex = _by_name(result)
         assert ex["1f1b_schedule"]["points"] == 3.0, ex["1f1b_schedule"]["feedback"]
         assert ex["assign_buckets"]["points"] == 0.0
@@ -83,7 +73,7 @@ def test_a_forged_verdict_or_a_pickle_that_runs_code_scores_zero_beside_full_mar
 def test_modules_written_beside_the_notebook_do_not_replace_the_graders(tmp_path, labs):
     here = str(tmp_path / "students")
     hijack = f"HERE = {here!r}\n" + HIJACK
-    result = _grade(tmp_path, labs, _notebook(ONE_F_ONE_B, ASSIGN, extra=[hijack]))
+    result = _grade(tmp_path, labs, notebook(ONE_F_ONE_B, ASSIGN, extra=[hijack]))
     assert (tmp_path / "students" / "cloudpickle.py").exists()  # the cell did run
     assert result["score"] == 6.0, result  # both honest exercises, judged by the real kit
 
@@ -91,7 +81,7 @@ def test_modules_written_beside_the_notebook_do_not_replace_the_graders(tmp_path
 def test_a_kernel_that_ignores_interrupts_is_ended_within_the_limit(tmp_path, labs):
     deaf = "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    pass"
     began = time.monotonic()
-    result = _grade(tmp_path, labs, _notebook(ONE_F_ONE_B, ASSIGN, extra=[deaf]), cell_limit=20)
+    result = _grade(tmp_path, labs, notebook(ONE_F_ONE_B, ASSIGN, extra=[deaf]), cell_limit=20)
     took = time.monotonic() - began
     assert any("ignored the interrupt" in n for n in result["notes"]), result["notes"]
     assert result["score"] == 0  # nothing could be harvested from a kernel that had to die
@@ -107,7 +97,7 @@ def test_processes_a_notebook_leaves_running_are_ended(tmp_path, labs):
         "                        start_new_session=True)\n"
         f"open({str(pids)!r}, 'w').write(json.dumps([kept.pid, away.pid]))"
     )
-    result = _grade(tmp_path, labs, _notebook(ONE_F_ONE_B, ASSIGN, extra=[leave]))
+    result = _grade(tmp_path, labs, notebook(ONE_F_ONE_B, ASSIGN, extra=[leave]))
     assert result["score"] == 6.0
     for pid in json.loads(pids.read_text()):
         assert not _alive(pid), f"process {pid} started by the notebook still runs"
@@ -210,11 +200,11 @@ def test_a_notebook_that_rewrites_the_lab_it_is_graded_against_stops_the_grading
     lab = labs / "99_grading_test.ipynb"
     rewrite = f"import pathlib\np = pathlib.Path({str(lab)!r})\np.write_text(p.read_text() + ' ')"
     with pytest.raises(EnvironmentChanged, match="99_grading_test.ipynb"):
-        _grade(tmp_path, labs, _notebook(ONE_F_ONE_B, ASSIGN, extra=[rewrite]))
+        _grade(tmp_path, labs, notebook(ONE_F_ONE_B, ASSIGN, extra=[rewrite]))
 
 
 def test_cells_after_the_last_check_are_not_run_so_a_hang_there_costs_nothing(tmp_path, labs):
-    nb = _notebook(ONE_F_ONE_B, ASSIGN)
+    nb = notebook(ONE_F_ONE_B, ASSIGN)
     nb.cells.append(nbformat.v4.new_code_cell("import time\ntime.sleep(600)  # a plot's loop"))
     began = time.monotonic()
     result = _grade(tmp_path, labs, nb, cell_limit=300)
@@ -234,7 +224,7 @@ def test_a_same_size_edit_with_its_modification_time_put_back_is_still_noticed(t
         "os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))"
     )
     with pytest.raises(EnvironmentChanged, match="99_grading_test.ipynb"):
-        _grade(tmp_path, labs, _notebook(ONE_F_ONE_B, ASSIGN, extra=[sneak]))
+        _grade(tmp_path, labs, notebook(ONE_F_ONE_B, ASSIGN, extra=[sneak]))
 
 
 def _bytes_by_the_kit(collective, nbytes, world):

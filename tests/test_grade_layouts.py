@@ -3,7 +3,7 @@ Gradescope's results.json per submission, a CSV gradebook, the summary of a clas
 
 Layouts are found without running a notebook; the outputs are checked on made-up results
 (the grading itself is tests/test_grade.py's); one test grades two real notebooks of the
-tiny lab of tests/test_grade.py end to end.
+tiny lab of tests/tinylab.py end to end.
 """
 
 import csv
@@ -18,26 +18,14 @@ import nbformat
 import pytest
 
 from overlapkit.grade import cli, layout
-from tests.test_grade import ASSIGN, ONE_F_ONE_B, UNFINISHED, _notebook
-
-LAB = "99_grading_test"
-
-
-@pytest.fixture
-def labs(tmp_path):
-    """A labs folder with the tiny lab: both exercises unfinished."""
-    folder = tmp_path / "labs"
-    folder.mkdir()
-    nb = _notebook(UNFINISHED.format(name="one_f_one_b"), UNFINISHED.format(name="assign_buckets"))
-    nbformat.write(nb, folder / f"{LAB}.ipynb")
-    return folder
+from tests.tinylab import ASSIGN, LAB, ONE_F_ONE_B, UNFINISHED, notebook
 
 
 def _write(path, solved=True, mtime=None):
     """A student's notebook of the tiny lab (stamped with the lab's identity, as `make
     labs` stamps them), solved or not."""
     first = ONE_F_ONE_B if solved else UNFINISHED.format(name="one_f_one_b")
-    nb = _notebook(first, ASSIGN)
+    nb = notebook(first, ASSIGN)
     nb.metadata["overlapkit"] = {"lab": "99", "name": LAB}
     path.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, path)
