@@ -13,10 +13,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import layout
-from .kernel import adopt_orphans
 from .labs import LABS
 from .notebook import grade_notebook
 from .output import summary, write_csv, write_gradescope
+from .processes import adopt_orphans, undumpable
 from .tamper import EnvironmentChanged
 
 PROG = "python -m overlapkit.grade"
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             f"give --output a folder (OUTPUT/<student>/results.json), or --student NAME if "
             f"these notebooks are one submission"
         )
-    _undumpable()
+    undumpable()
     stopped: list[EnvironmentChanged] = []
     results = _grade_all(subs, args, stopped)
     status = _write(results, args, several, output)
@@ -116,18 +116,6 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 3
     return status
-
-
-def _undumpable() -> None:
-    """PR_SET_DUMPABLE 0 (Linux): no other process of this user may open this one's
-    descriptors (the judges' report pipes) or read its memory (needs no root; root is
-    not held off by it)."""
-    try:
-        import ctypes  # noqa: PLC0415
-
-        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
-    except Exception:  # noqa: BLE001 - not Linux: nothing to do
-        pass
 
 
 def _write(results: list[dict], args, several: bool, output: Path | None) -> int:

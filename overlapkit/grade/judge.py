@@ -27,6 +27,7 @@ import tempfile
 import threading
 
 from .labs import Exercise
+from .processes import descendants, end_new_processes
 
 _RUNNER = r"""
 import ctypes, sys
@@ -72,8 +73,6 @@ def run_check(ex: Exercise, folder: str, limit: float, shown: dict | None = None
     first), and the report is the first line on its pipe that carries the secret: lines
     anyone else managed to write there count for nothing. Whatever the judge's ranks
     started, also in sessions of their own, is ended when it is done."""
-    from .kernel import _descendants, _end_new_processes  # noqa: PLC0415
-
     secret = secrets.token_hex(16)
     read, write = os.pipe()
     found: list[dict] = []
@@ -90,7 +89,7 @@ def run_check(ex: Exercise, folder: str, limit: float, shown: dict | None = None
                     return
 
     reader = threading.Thread(target=drain, daemon=True)
-    before = _descendants()
+    before = descendants()
     err = b""
     with tempfile.TemporaryDirectory(prefix="overlapkit-judge-") as home:
         try:
@@ -114,7 +113,7 @@ def run_check(ex: Exercise, folder: str, limit: float, shown: dict | None = None
             pass
         finally:
             _end(proc)
-            _end_new_processes(before)
+            end_new_processes(before)
             reader.join(5)
     if not found:
         tail = (err or b"").decode(errors="replace").strip().splitlines()[-1:] or ["no output"]

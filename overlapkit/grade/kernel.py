@@ -24,6 +24,7 @@ from pathlib import Path
 import nbformat
 
 from .labs import _is_check_cell
+from .processes import descendants, end_new_processes
 
 MARK = "@@overlapkit-grade@@"
 GRACE_S = 15.0  # after an interrupt, before the kernel's process group is killed (a loaded
@@ -98,7 +99,7 @@ def execute(student: nbformat.NotebookNode, names: list[str], folder: str, cell_
     harvest = nbformat.v4.new_code_cell(_harvest_code(names, folder, overlapkit.__file__))
     nb.cells.append(harvest)
     labels.append("the grader's last cell (it saves the exercises)")
-    before = _descendants()
+    before = descendants()
     with tempfile.TemporaryDirectory(prefix="overlapkit-kernel-") as home:
         client = NotebookClient(nb, timeout=int(cell_limit), interrupt_on_timeout=True,
                                 allow_errors=True, kernel_name="python3",
@@ -108,9 +109,9 @@ def execute(student: nbformat.NotebookNode, names: list[str], folder: str, cell_
                 try:
                     notes = _run_cells(client, nb, harvest, cell_limit, total_limit, labels)
                 finally:  # while the kernel lives, what it started is still in our tree
-                    _end_new_processes(before, spare=_kernel_pid(client))
+                    end_new_processes(before, spare=_kernel_pid(client))
         finally:
-            _end_new_processes(before)  # and what left it, where adopt_orphans() was called
+            end_new_processes(before)  # and what left it, where adopt_orphans() was called
     if notes and notes[-1].startswith("the kernel"):
         return {}, notes
     if last < len(code):
@@ -224,47 +225,6 @@ def _kill_kernel(client) -> None:
             process.kill()
 
 
-def _descendants() -> set:
-    import psutil  # noqa: PLC0415
-
-    return {(p.pid, p.create_time()) for p in _children(psutil.Process())}
-
-
-def _children(proc) -> list:
-    import psutil  # noqa: PLC0415
-
-    try:
-        return proc.children(recursive=True)
-    except psutil.Error:
-        return []
-
-
 def _kernel_pid(client) -> int | None:
     process = getattr(getattr(getattr(client, "km", None), "provisioner", None), "process", None)
     return getattr(process, "pid", None)
-
-
-def _end_new_processes(before: set, spare: int | None = None) -> None:
-    """Kill every process this one has gained since ``before`` (the kernel's ranks, servers,
-    anything the notebook left running), and reap them. Processes that left our tree
-    (setsid + double fork) come back to it where :func:`adopt_orphans` was called."""
-    import psutil  # noqa: PLC0415
-
-    new = []
-    for p in _children(psutil.Process()):
-        with contextlib.suppress(psutil.Error):
-            if (p.pid, p.create_time()) not in before and p.pid != spare:
-                new.append(p)
-    for p in new:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    psutil.wait_procs(new, timeout=5)
-
-
-def adopt_orphans() -> None:
-    """Make this process the reaper of its orphaned descendants (Linux), so that a process
-    a notebook detached from its kernel is still found, and ended, when it is done."""
-    with contextlib.suppress(Exception):
-        import ctypes  # noqa: PLC0415
-
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
