@@ -15,6 +15,7 @@ kernel, not once per rank and launch. A rank:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import io
@@ -51,6 +52,10 @@ class RankSpec:
     link: object = None  # an overlapkit.p2p.Link for the kit's messages, or None
     shm_dir: str | None = None  # where emulated messages' bytes go (overlapkit.shm)
     plain: bool = False  # the caller reads the value as plain data (overlapkit.plaindata)
+
+
+#: a store key per rank that has returned (its peers stop waiting for it to read)
+RETURNED = "overlapkit/returned/"
 
 
 def log_path(log_dir: str, rank: int) -> str:
@@ -157,6 +162,7 @@ def main(spec: RankSpec, rank: int, conn) -> None:
         }
     )
     torch.set_num_threads(spec.threads)
+    store = None
     try:
         if spec.backend == "nccl":
             torch.cuda.set_device(rank)
@@ -184,6 +190,10 @@ def main(spec: RankSpec, rank: int, conn) -> None:
     _flush_all()
     conn.send_bytes(data)
     conn.close()
+    if store is not None:  # what this rank sent must outlive it: wait for its receivers
+        with contextlib.suppress(Exception):
+            store.set(f"{RETURNED}{rank}", "1")
+            p2p.linger(lambda r: store.check([f"{RETURNED}{r}"]), spec.timeout_s)
     if dist.is_initialized():
         try:
             p2p.forget_private_groups()

@@ -163,6 +163,19 @@ def use_shared_memory(directory: str | None) -> None:
     _channels = shm.Channels(directory, dist.get_rank()) if directory else None
 
 
+def linger(returned, limit_s: float) -> None:
+    """Before this rank's process ends: wait until every rank it sent messages to through
+    shared memory has read one (so holds the headers' pipe open), or has returned itself
+    (``returned(rank)``; it will read nothing more), or ``limit_s`` passes. A real
+    transport delivers what a finished sender sent; a pipe forgets it when its last open
+    end closes."""
+    end = time.monotonic() + limit_s
+    while _channels is not None and time.monotonic() < end:
+        if all(returned(peer) for peer in _channels.unread()):
+            return
+        time.sleep(0.002)
+
+
 def shared_memory_usage() -> dict | None:
     """This rank's /dev/shm use by the emulated link (None without shared memory)."""
     return _channels.usage() if _channels is not None else None

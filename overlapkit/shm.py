@@ -175,7 +175,9 @@ class Outgoing:
 
     def __init__(self, path: str):
         self._file = _File(path, create=True)
-        self._pipe = _open_pipe(path + ".pipe", nonblocking=True)
+        self.pipe_path = path + ".pipe"
+        self._pipe = _open_pipe(self.pipe_path, nonblocking=True)
+        self.posted = False  # a header went in (or waits in the backlog)
         self._placement = _Placement()
         self._sent = 0  # ids of messages placed in the file so far
         self.reserved = _CONTROL  # bytes of the file backed by reserved pages
@@ -235,6 +237,7 @@ class Outgoing:
 
     def post(self, header: bytes) -> None:
         """Queue a header behind the ones before it; never blocks (call with ``lock`` held)."""
+        self.posted = True
         if not self._backlog:
             try:
                 os.write(self._pipe, header)  # atomic: far below PIPE_BUF
@@ -359,6 +362,17 @@ class Channels:
 
     def incoming(self, namespace: str, src: int) -> Incoming:
         return self._get(Incoming, namespace, src, self._rank)
+
+    def unread(self) -> list[int]:
+        """The peers this rank sent to that have not read a header yet. A pipe's contents
+        live only while one of its ends is open: were this process to end before the
+        receiver opened its end, the headers it wrote would be lost, and the receiver
+        would wait for them forever (its first header read, the receiver unlinks the pipe,
+        and keeps its end open)."""
+        with self._lock:
+            outs = [(k[3], c) for k, c in self._made.items() if k[0] is Outgoing]
+        return sorted({dst for dst, c in outs
+                       if c.posted and (c._backlog or os.path.exists(c.pipe_path))})  # fmt: skip
 
     def usage(self) -> dict:
         """This rank's sending side: bytes of /dev/shm reserved and the peak bytes in flight."""

@@ -65,6 +65,23 @@ def _into_root(nbytes):
     return start, time.perf_counter()
 
 
+def _late_receiver(nbytes):
+    if ok.rank() == 1:
+        p2p.send(torch.full((nbytes,), 7, dtype=torch.uint8), 0)  # done once on the link
+        return None  # and this rank returns at once
+    time.sleep(1.0)  # the receiver comes late (a busy machine): rank 1 has returned by now
+    got = torch.zeros(nbytes, dtype=torch.uint8)
+    p2p.recv(got, 1)
+    return int(got.sum())
+
+
+def test_a_message_from_a_rank_that_already_returned_still_arrives():
+    # the headers' pipe forgets what is in it when its last open end closes: a rank that
+    # ended right after sending took its message with it, and the receiver hung
+    out = ok.launch(_late_receiver, 1000, world_size=2, link=ok.Link(100, 1), timeout=30)
+    assert out[0] == 7000
+
+
 # Lower bounds count from the earliest start of any rank: a sender may leave the
 # barrier (and its message depart) before the receiver does.
 
