@@ -258,3 +258,36 @@ def test_the_kits_own_answer_under_another_name_scores_zero_also_in_the_judge(ch
             report = getattr(ok.grading, check)(learner)
         assert report.score == 0, report.cases
         assert words in report.cases[0][1] and "the kit's own answer" in report.cases[0][1]
+
+
+def test_what_the_labs_measure_noted_in_the_notebook_reaches_the_judge(tmp_path):
+    """Lab 10's measure() notes its results in the kernel (grading.records); the grader
+    saves the notes as plain data and its judge reads them: a row that no note holds is
+    named with what was noted, without re-measuring."""
+    from overlapkit.grade.kernel import execute  # noqa: PLC0415
+
+    cells = [
+        "from overlapkit.grading import lab10, records\n"
+        "records.note(lab10.NOTED, {'config': lab10.BASELINE, 'step_ms': 412.34, 'hidden': 0.01})",
+        "TUNED = {'wrapper': 'bucketed', 'bucket_mb': 1}\n"
+        "REPORT = {'before': {'step_ms': 800.0, 'hidden': 0.0},\n"
+        "          'after': {'step_ms': 350.0, 'hidden': 0.7}}",
+    ]
+    student = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    folder = tmp_path / "saved"
+    folder.mkdir()
+    found, notes = execute(student, ["REPORT", "TUNED"], str(folder), 60, 120)
+    assert found.get("REPORT") == "ok" and found.get("TUNED") == "ok", (found, notes)
+    ex = Exercise("check_tuning", ["REPORT", "TUNED"], {}, "", points=4.0)
+    report = run_check(ex, str(folder), limit=120)
+    assert isinstance(report, dict), report
+    assert report["score"] == 0
+    assert [c["message"] for c in report["cases"]][:2] == [
+        "before: step 800 ms, hidden 0 is not what measure(BASELINE) returned here: step 800 "
+        "against 412.3 ms (rounding may move it 0.5%) and hidden 0 against 0.01 (2 decimals) "
+        "(it returned 412.3 ms, hidden 0.01)",
+        "after: step 350 ms, hidden 0.7: measure(TUNED) never ran in this notebook (TUNED is "
+        "{'wrapper': 'bucketed', 'bucket_mb': 1}): measure it with the notebook's measure(), "
+        "which notes what it returns (numbers from a launch of your own, or typed in, do not "
+        "count)",
+    ], report

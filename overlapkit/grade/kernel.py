@@ -56,6 +56,12 @@ def _harvest_code(names: list[str], folder: str, real_file: str) -> str:
                     _g_torch.save(_g_obj, {folder!r} + "/" + _g_name + ".pt")
                 except Exception:
                     pass
+        try:  # what the lab's own helpers measured (records): plain data for the judge
+            import torch as _g_torch
+            from overlapkit.grading import records as _g_records
+            _g_torch.save(_g_records.plain(), {folder!r} + "/__notes__.pt")
+        except Exception:
+            pass
         _g_ok = globals().get("ok")
         _g_found["__ok__"] = _g_ok is None or (getattr(_g_ok, "__file__", None) == {real_file!r})
         _g_gr = globals().get("grading")
