@@ -11,7 +11,11 @@ def descendants() -> set:
     """This process's descendants now, as (pid, start time): a pid alone may be reused."""
     import psutil  # noqa: PLC0415
 
-    return {(p.pid, p.create_time()) for p in _children(psutil.Process())}
+    found = set()
+    for p in _children(psutil.Process()):
+        with contextlib.suppress(psutil.Error):  # a child may end while we list them
+            found.add((p.pid, p.create_time()))
+    return found
 
 
 def _children(proc) -> list:
