@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import re
@@ -216,3 +217,37 @@ def refused_rank(report: Report, what: str, rank: int, res: dict, traffic, advic
         )
         return True
     return False
+
+
+class PeersReturned:
+    """What each rank of a check leaves in the process group's store when it returns from
+    the learner's function (:meth:`post`: its counts of messages or collectives), so that a
+    rank still waiting can tell a wait that can never end (the peer returned without what
+    it waits for) from a slow one. The verdict comes from those counts, never from how
+    long anything took."""
+
+    def __init__(self, lab: str):
+        import torch.distributed as dist  # noqa: PLC0415
+        import torch.distributed.distributed_c10d as c10d  # noqa: PLC0415
+
+        self.store = dist.PrefixStore(f"overlapkit/grading/{lab}/returned",
+                                      c10d._get_default_store())  # fmt: skip
+
+    def post(self, rank: int, counts) -> None:
+        self.store.set(str(rank), json.dumps(counts))
+
+    def of(self, rank: int):
+        """What ``rank`` left when it returned, or None while it still runs."""
+        key = str(rank)
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+
+
+def wait_unless_stuck(wait, stuck, step_s: float = 0.05):
+    """``wait(timeout=step_s)`` until it returns; after each step ``stuck()`` may raise
+    (the wait can never end), so a wait nobody can answer ends at once, not at the check's
+    timeout."""
+    while True:
+        try:
+            return wait(timeout=step_s)
+        except TimeoutError:
+            stuck()

@@ -9,7 +9,14 @@ import torch
 
 from .. import handles
 from .collectives import CHECK_LINK
-from .common import builtin_collectives, refused_rank, run_or_report, worst_element
+from .common import (
+    PeersReturned,
+    builtin_collectives,
+    refused_rank,
+    run_or_report,
+    wait_unless_stuck,
+    worst_element,
+)
 from .report import Report
 
 WORLDS = (2, 3)  # average_parameters: 2 ranks, then 3 (a divisor of 2 shows there)
@@ -33,14 +40,6 @@ def _model(rank: int) -> torch.nn.Module:
 
 
 # --------------------------------------------------------------------------- the recorder
-
-
-def _store():
-    """The process group's store, for a word between ranks that pairs with no collective."""
-    import torch.distributed as dist  # noqa: PLC0415
-    import torch.distributed.distributed_c10d as c10d  # noqa: PLC0415
-
-    return dist.PrefixStore("overlapkit/grading/lab09", c10d._get_default_store())
 
 
 def _kind(model, tensor) -> str:
@@ -82,28 +81,23 @@ def _recorded_reductions(ok, model, optimizer=None, *, finished: str, advice: st
     timeout, when another rank has finished (``finished`` says what it did) having called
     fewer of them: that rank will never join it (``advice``: what to do). Each rank posts
     its count in the process group's store when its work is done."""
-    me, world, store = ok.rank(), ok.world_size(), _store()
+    me, world, returned = ok.rank(), ok.world_size(), PeersReturned("lab09")
     called: list[str] = []
     count = [0]
 
     def joined(wait, index: int) -> None:
-        while True:
-            try:
-                wait(timeout=0.05)
-                return
-            except TimeoutError:
-                pass
+        def stuck():
             for r in range(world):
-                if r == me or not store.check([str(r)]):
-                    continue
-                theirs = int(store.get(str(r)))
-                if theirs < index:
+                theirs = None if r == me else returned.of(r)
+                if theirs is not None and theirs < index:
                     handles.take_unwaited()  # this one is abandoned: no report of it
                     raise RuntimeError(
                         f"its ok.ring_all_reduce #{index}{where()} can never finish: rank "
                         f"{r} {finished} having called ok.ring_all_reduce {theirs} time(s). "
                         f"A collective completes only when every rank calls it: {advice}"
                     )
+
+        wait_unless_stuck(wait, stuck)
 
     def ring(original, tensor, *args, **kwargs):
         count[0] += 1
@@ -151,7 +145,7 @@ def _recorded_reductions(ok, model, optimizer=None, *, finished: str, advice: st
     finally:
         for name, original in saved.items():
             setattr(ok, name, original)
-        store.set(str(me), str(count[0]))  # done: what a peer still waiting needs to know
+        returned.post(me, count[0])  # done: what a peer still waiting needs to know
 
 
 # --------------------------------------------------------------------------- what: the mean

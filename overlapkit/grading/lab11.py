@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 import torch
@@ -10,8 +9,14 @@ import torch
 from .. import handles, inflight
 from ..collectives import chunk_bounds
 from .collectives import CHECK_LINK
+from .common import (
+    PeersReturned,
+    recorded_calls,
+    refused_rank,
+    run_or_report,
+    wait_unless_stuck,
+)
 from .common import builtin_collectives as _builtins
-from .common import recorded_calls, refused_rank, run_or_report
 from .report import Report
 
 # --------------------------------------------------------------------------- shared
@@ -69,48 +74,39 @@ class _Stuck(Exception):
     never receive): args (what, peer, n, the peer's counts)."""
 
 
-_DONE = "overlapkit/lab11/returned/{}"
-
-
 class _Patient:
     """Counts the messages a rank posts to and from each peer, and waits for them so that
     a wait nobody can answer ends at once, not at the check's timeout: a rank that
-    returned from the learner's function leaves in the process group's store how many
-    messages it sent to and received from each rank; a wait for the n-th message from
-    (or to) a rank that returned having sent (received) fewer can never end. The verdict
-    comes from those counts, never from how long anything took."""
+    returned from the learner's function leaves how many messages it sent to and received
+    from each rank (:class:`~.common.PeersReturned`); a wait for the n-th message from (or
+    to) a rank that returned having sent (received) fewer can never end."""
 
     def __init__(self, me: int):
         self.me = me
         self.counts: dict = {"send": {}, "recv": {}}
-        self.store = torch.distributed.distributed_c10d._get_default_store()
+        self.returned = PeersReturned("lab11")
 
     def wrap(self, handle, kind: str, peer: int):
         mine = self.counts[kind]
         n = mine[peer] = mine.get(peer, 0) + 1
         inner = handle.wait
+        other = "recv" if kind == "send" else "send"
+
+        def stuck():
+            theirs = self.returned.of(peer)
+            if theirs is not None and theirs[other].get(str(self.me), 0) < n:
+                raise _Stuck(kind, peer, n, theirs) from None
 
         def wait(*args, **kwargs):
             if args or kwargs:  # the learner's own timeout
                 return inner(*args, **kwargs)
-            while True:
-                try:
-                    return inner(timeout=0.05)
-                except TimeoutError:
-                    theirs = self._returned(peer)
-                    other = "recv" if kind == "send" else "send"
-                    if theirs is not None and theirs[other].get(str(self.me), 0) < n:
-                        raise _Stuck(kind, peer, n, theirs) from None
+            return wait_unless_stuck(inner, stuck)
 
         handle.wait = wait
         return handle
 
     def done(self) -> None:
-        self.store.set(_DONE.format(self.me), json.dumps(self.counts))
-
-    def _returned(self, peer: int):
-        key = _DONE.format(peer)
-        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+        self.returned.post(self.me, self.counts)
 
 
 def _stuck_line(what: str, rank: int, stuck) -> str:
