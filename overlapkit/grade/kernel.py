@@ -107,8 +107,10 @@ def execute(student: nbformat.NotebookNode, names: list[str], folder: str, cell_
     labels.append("the grader's last cell (it saves the exercises)")
     before = descendants()
     with tempfile.TemporaryDirectory(prefix="overlapkit-kernel-") as home:
-        client = NotebookClient(nb, timeout=int(cell_limit), interrupt_on_timeout=True,
-                                allow_errors=True, kernel_name="python3",
+        # no timeout of nbclient's own: the watchdog interrupts, then ends the kernel (after
+        # its first timeout nbclient stops watching whether the kernel lives, and a killed
+        # kernel was noticed only when its wait for a reply ran out a second time)
+        client = NotebookClient(nb, timeout=None, allow_errors=True, kernel_name="python3",
                                 resources={"metadata": {"path": home}})  # fmt: skip
         try:
             with client.setup_kernel():
@@ -163,7 +165,7 @@ def _run_cells(client, nb, harvest, cell_limit: float, total_limit: float,
                labels: list[str]) -> list[str]:  # fmt: skip
     """Each cell under a watchdog; returns the notes (the last one says so if the kernel
     had to be ended: nothing can be harvested then)."""
-    from nbclient.exceptions import CellTimeoutError, DeadKernelError  # noqa: PLC0415
+    from nbclient.exceptions import DeadKernelError  # noqa: PLC0415
 
     notes, start, limit = [], time.monotonic(), cell_limit
     for i, cell in enumerate(nb.cells):
@@ -174,13 +176,10 @@ def _run_cells(client, nb, harvest, cell_limit: float, total_limit: float,
                          "after that were not run")  # fmt: skip
             continue  # the harvest still runs: what was defined by then is graded
         this = limit if last else max(1.0, min(limit, left))
-        client.timeout = int(max(1, round(this)))
         began = time.monotonic()
         with _watchdog(client, this) as killed:
             try:
                 client.execute_cell(cell, i)
-            except CellTimeoutError:
-                pass
             except DeadKernelError:
                 if killed:
                     why = f"past its {this:g} s limit"
@@ -200,13 +199,19 @@ def _run_cells(client, nb, harvest, cell_limit: float, total_limit: float,
 
 @contextlib.contextmanager
 def _watchdog(client, limit: float):
-    """Ends the kernel's process group when a cell runs ``GRACE_S`` past ``limit`` (nbclient
-    has interrupted it at ``limit``; a kernel that ignores that would be waited for forever).
-    Yields a list that holds True once it had to."""
+    """Interrupts the kernel when a cell runs past ``limit`` (a KeyboardInterrupt in the
+    cell), and ends its process group ``GRACE_S`` later if the cell still runs (a kernel
+    that ignores the interrupt would be waited for forever). Yields a list that holds True
+    once it had to end the kernel."""
     killed, done = [], threading.Event()
 
     def watch():
-        if done.wait(limit + GRACE_S):
+        if done.wait(limit):
+            return
+        pid = _kernel_pid(client)
+        with contextlib.suppress(ProcessLookupError, PermissionError, OSError, TypeError):
+            os.kill(pid, signal.SIGINT)  # what Jupyter's interrupt does to a local kernel
+        if done.wait(GRACE_S):
             return
         killed.append(True)
         _kill_kernel(client)
