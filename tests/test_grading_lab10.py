@@ -393,22 +393,6 @@ TWO_MIB = {"wrapper": "bucketed", "bucket_mb": 2}
 EIGHT_MIB_AFTER = {"step_ms": 389.7, "hidden": 0.0}
 
 
-def test_a_table_whose_own_after_misses_the_goal_earns_nothing_and_is_asked_about(monkeypatch):
-    fake_measurements(monkeypatch, BUSY_BEFORE, BUSY_AFTER)
-    table = {"before": {"step_ms": 299.7, "hidden": 0.0}, "after": EIGHT_MIB_AFTER}
-    result = ok.grading.check_tuning(table, TWO_MIB)
-    text = _text(result, marks=True)
-    assert result.score == 0, text
-    assert text.startswith(
-        "✘ your own table says after hides 0.00 of its communication: the goal is ≥ 0.5 — is "
-        "REPORT['after'] from the configuration in TUNED?\n"
-        "✘ your own table says after's step takes 1.30× before's (389.7 against 299.7 ms): the "
-        "goal is no slower (at most 1.1×) — is REPORT['after'] from the configuration in TUNED?"
-    ), text
-    assert "after: hidden 0.00 is what BASELINE hides here (0.00–0.10), while TUNED hides" in text
-    assert "REPORT['after'] is probably from another configuration" in text
-
-
 def test_a_made_up_800_ms_baseline_with_forged_notes_is_refused(monkeypatch):
     fake_measurements(monkeypatch, BUSY_BEFORE, BUSY_AFTER)
     table = {
@@ -421,19 +405,32 @@ def test_a_made_up_800_ms_baseline_with_forged_notes_is_refused(monkeypatch):
     assert NOT_MEASURED in text
 
 
-def test_a_hidden_share_is_judged_against_the_medians_not_single_steps(monkeypatch):
-    # single steps hid 0.05-0.95, their medians 0.80: a share of 0.30 is no measurement's
-    after = [([240, 250, 260, 255, 250], [0.05, 0.8, 0.95, 0.8, 0.9])]
+def test_a_hidden_share_above_the_medians_is_refused_though_single_steps_hid_more(monkeypatch):
+    # single steps hid 0.05-0.95, their medians 0.50: a share of 0.75 is no measurement's
+    after = [([240, 250, 260, 255, 250], [0.05, 0.5, 0.95, 0.4, 0.6])]
     fake_measurements(monkeypatch, BUSY_BEFORE, after)
     table = {
         "before": {"step_ms": 300.0, "hidden": 0.0},
-        "after": {"step_ms": 250.0, "hidden": 0.3},
+        "after": {"step_ms": 250.0, "hidden": 0.75},
     }
     text = _text(ok.grading.check_tuning(table, TWO_MIB))
     assert (
-        "after: hidden 0.30 reported, but one measurement of this configuration hides "
-        "0.55–0.90 here (4 medians re-measured hid 0.80–0.80)"
+        "after: hidden 0.75 reported, but one measurement of this configuration hides "
+        "0.00–0.60 here (12 medians re-measured hid 0.50–0.50)"  # at the goal: measured more
     ) in text
+
+
+def test_an_honest_share_from_a_much_busier_launch_agrees(monkeypatch):
+    # beside a CPU hog on a loaded machine, honest pairs hid 0.43 and 0.36 while the
+    # check's medians were 0.74-0.90 and 0.67-0.85: a busier spell hides less
+    after = [([240, 250, 260, 255, 250], [h] * 5) for h in (0.67, 0.85, 0.7, 0.8)]
+    fake_measurements(monkeypatch, BUSY_BEFORE, after)
+    table = {
+        "before": {"step_ms": 300.0, "hidden": 0.0},
+        "after": {"step_ms": 250.0, "hidden": 0.36},
+    }
+    result = ok.grading.check_tuning(table, TWO_MIB)
+    assert result.all_passed, _text(result)
 
 
 def test_a_hidden_window_that_would_take_any_share_is_measured_again(monkeypatch):
@@ -445,22 +442,6 @@ def test_a_hidden_window_that_would_take_any_share_is_measured_again(monkeypatch
     }
     ok.grading.check_tuning(table, TWO_MIB)
     assert len(calls) == 2 * lab10.ROUNDS * (1 + lab10.MORE)
-
-
-def test_a_swapped_table_is_named(monkeypatch):
-    fake_measurements(monkeypatch, BUSY_BEFORE, BUSY_AFTER)
-    table = {
-        "before": {"step_ms": 250.0, "hidden": 0.8},
-        "after": {"step_ms": 300.0, "hidden": 0.0},
-    }
-    result = ok.grading.check_tuning(table, TWO_MIB)
-    text = _text(result)
-    assert result.score == 0, text
-    assert (
-        "before and after swapped? before's hidden share (0.80) is what TUNED hides here "
-        "(0.55–0.90) and after's (0.00) what BASELINE hides (0.00–0.10)"
-    ) in text
-    assert "before: hidden 0.80 reported, but one measurement of this configuration" in text
 
 
 def test_an_honest_pair_that_met_a_busy_spell_passes_on_the_re_measurement(monkeypatch):

@@ -10,13 +10,13 @@ reported number is one such median, and is judged against the medians re-measure
 single steps (one step of a loaded machine may hide anything from 0 to 1). A step time
 agrees from the fastest single step re-measured less 25% (a busy machine only slows
 steps down; the learner may have measured in a quieter spell) up to twice the slowest
-median (or in a busier one); a hidden share within the medians' range, 0.25 below it (a
-busier spell hides less) and 0.1 above. So the tolerance grows on a loaded machine and
-shrinks on a quiet one. A verdict near its line — a step up to 4× the slowest median, a
-window that would take any hidden share — is measured again
-(more rounds) before it is given. A table that disagrees anywhere earns nothing: its lines
-that a guess gets right (a baseline that hides nothing) do not count; a row that fits the
-other configuration's re-measurement is named (swapped, or another configuration's).
+median (or in a busier one); a hidden share from 0 (a busier spell hides less, down to
+nothing) to 0.1 above the medians' range (nothing makes an AllReduce hide more). So the
+tolerance grows on a loaded machine and shrinks on a quiet one. A verdict near its line —
+a step up to 4× the slowest median — is measured again (more rounds) before it is given.
+A table that disagrees anywhere earns nothing: its lines that a guess gets right (a
+baseline that hides nothing) do not count. (Rows that are measure()'s own results agree
+unless the machine changed a lot since; these bands stop a made-up note, not a learner.)
 The goal (hide at least half, no slower) is judged on the re-measurement's interleaved
 medians, not on the table's own pair: on a busy machine one launch of the same
 configuration may take 45 ms and the next 136 ms.
@@ -47,7 +47,6 @@ STEP_FLOOR = 0.25  # below the fastest step re-measured: jitter, and a quieter s
 BUSIER = 2.0  # × the slowest median re-measured: a learner's launch in a busier spell
 NEAR_BUSIER = 4.0  # × it: measure more before calling a step this slow not measured
 HIDDEN_FLOOR = 0.1  # a hidden share's tolerance above the medians' range (absolute)
-HIDDEN_DROP = 0.25  # below it: a busier spell hides less (an honest 0.75 against 0.87)
 SLOWER = 1.1  # after/before step ratio above which the tuned step is slower (noise ~10%)
 SIDES = ("before", "after")
 NOTED = "lab10.measure"  # the kind of note measure() leaves (records)
@@ -139,11 +138,13 @@ class _Band:
 
     @classmethod
     def of_hidden(cls, medians: list[float]) -> _Band:
-        """Within the medians' range, ``HIDDEN_FLOOR`` above it; lower, by ``HIDDEN_DROP``,
-        when measured in a busier spell (AllReduces delayed past backward hide less;
-        nothing makes them hide more)."""
-        low, high = min(medians) - HIDDEN_DROP, max(medians) + HIDDEN_FLOOR
-        return cls(medians, low, high, (low - HIDDEN_FLOOR, high + HIDDEN_FLOOR))
+        """From 0 up to ``HIDDEN_FLOOR`` above the medians' range: a busier spell hides less,
+        down to nothing (one launch of 1 MiB buckets hid 0.05-0.98 on a loaded machine, and
+        beside a CPU hog an honest 0.36 met medians of 0.67-0.85), while nothing makes an
+        AllReduce hide more. The rows are measure()'s own results (notes): only a share
+        above what this machine hides can be made up."""
+        high = max(medians) + HIDDEN_FLOOR
+        return cls(medians, 0.0, high, (0.0, high + HIDDEN_FLOOR))
 
     def holds(self, x: float) -> bool:
         return self.low <= x <= self.high
@@ -186,7 +187,6 @@ class _Measured:
                 b.near(row["step_ms"]) or h.near(row["hidden"])
                 for (b, h), row in zip(bands, rows, strict=True)
             )
-            or any(h.low <= 0 and h.high >= 1 for _, h in bands)  # would accept any share
             or _open(*self.hidden_after(), target)
             or _open(*self.ratio(), SLOWER)
         )
@@ -301,47 +301,6 @@ def _agreements(side: str, got: dict, steps: _Band, hidden: _Band) -> list[str]:
     ]
 
 
-def _mixups(table: dict, measured: _Measured) -> list[str]:
-    """Rows whose hidden share is the other configuration's: swapped, or an "after" that
-    hides what the baseline hides (nothing) where TUNED, re-measured, clearly hides more —
-    measured with another configuration. By hidden shares only: the steps of the two
-    configurations overlap, while one 25 MB bucket hides nothing, every time."""
-    base, mine = measured.hidden(0), measured.hidden(1)
-    before, after = table["before"]["hidden"], table["after"]["hidden"]
-    tuned_hides, _ = measured.hidden_after()
-    looks_like_base = base.holds(after) and (
-        not mine.holds(after) or tuned_hides >= base.high + HIDDEN_DROP
-    )  # fmt: skip
-    if looks_like_base and not base.holds(before) and mine.holds(before):
-        return [f"before and after swapped? before's hidden share ({before:.2f}) is what TUNED "
-                f"hides here ({mine.window(2)}) and after's ({after:.2f}) what BASELINE hides "
-                f"({base.window(2)})"]  # fmt: skip
-    if looks_like_base:
-        return [f"after: hidden {after:.2f} is what BASELINE hides here ({base.window(2)}), "
-                f"while TUNED hides {mine.window(2)} (median {tuned_hides:.2f}): REPORT['after'] "
-                "is probably from another configuration"]  # fmt: skip
-    return []
-
-
-def _own_hidden(table: dict, target: float) -> str | None:
-    """Whether the table's own "after" hides less than the goal asks."""
-    if table["after"]["hidden"] < target:
-        return (f"your own table says after hides {table['after']['hidden']:.2f} of its "
-                f"communication: the goal is ≥ {target:g}")  # fmt: skip
-    return None
-
-
-def _own_slower(table: dict) -> str | None:
-    """Whether the table's own "after" step is slower than before's beyond the noise."""
-    before, after = table["before"]["step_ms"], table["after"]["step_ms"]
-    if after > SLOWER * before:
-        return (f"your own table says after's step takes {after / before:.2f}× before's "
-                f"({after:.1f} against {before:.1f} ms): the goal is no slower (at most "
-                f"{SLOWER:g}×)")  # fmt: skip
-    return None
-
-
-ASK = " — is REPORT['after'] from the configuration in TUNED?"
 SPELL = (" (one launch on a busy machine varies that much: the goal is judged on the "
          "re-measurement)")  # fmt: skip
 
@@ -526,13 +485,8 @@ def _judge(report: Report, table: dict, tuned: dict, target: float, measured: _M
         for i, side in enumerate(SIDES)
         for line in _disagreements(side, table[side], measured.steps(i), measured.hidden(i))
     ]
-    wrong += _mixups(table, measured)
     (hidden, hidden_doubt), (ratio, ratio_doubt) = measured.hidden_after(), measured.ratio()
     if wrong:
-        ask = ASK if any(line.startswith(("after:", "before and after")) for line in wrong) else ""
-        for line in (_own_hidden(table, target), _own_slower(table)):
-            if line:
-                report.fail(line + ask)
         for line in wrong:
             report.fail(line)
         report.fail(
