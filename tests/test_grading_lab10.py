@@ -433,7 +433,8 @@ def test_an_honest_share_from_a_much_busier_launch_agrees(monkeypatch):
     assert result.all_passed, _text(result)
 
 
-def test_a_hidden_window_that_would_take_any_share_is_measured_again(monkeypatch):
+def test_hidden_shares_spread_across_the_goal_are_measured_again(monkeypatch):
+    # medians 0.1-0.95: their median (0.6), give or take its doubt, straddles the 0.5 goal
     after = [(BUSY_AFTER[0][0], [h] * 5) for h in (0.1, 0.95, 0.5, 0.7)]
     calls = fake_measurements(monkeypatch, BUSY_BEFORE, after)
     table = {
