@@ -121,6 +121,36 @@ def test_other_honest_one_way_times_pass_the_timing_check(fn):
     assert [passed for passed, _ in verdicts] == [True] * 5, verdicts
 
 
+#: round trips where the first is 9× the rest (a loaded machine's first message): half of
+#: their mean (a wrong answer) lands on their median (a right one)
+SKEWED = [26e-3] + [2.9e-3] * 7
+
+
+def test_a_value_both_right_and_wrong_for_skewed_round_trips_decides_nothing():
+    assert statistics.fmean(SKEWED) / 2 == pytest.approx(2.9e-3, rel=0.01)
+    right, name = lab00.judge_one_way(2.94e-3, SKEWED)  # the median: right, and half the mean
+    assert right is None, name
+
+
+def test_values_near_only_one_kind_of_candidate_are_decided_for_skewed_round_trips():
+    assert lab00.judge_one_way(2.9e-3, [2.9e-3] * 8) == (True, "median0")
+    assert lab00.judge_one_way(5.8e-3, [2.9e-3] * 8)[0] is False  # a round trip
+    assert lab00.judge_one_way(1.45e-3, SKEWED)[0] is False  # half the median
+
+
+def test_an_honest_answer_on_skewed_round_trips_is_measured_again_and_passes(monkeypatch):
+    calls, judge = [], lab00.judge_one_way
+
+    def judged(value, samples):  # the first two calls land on skewed round trips
+        calls.append(value)
+        return judge(2.94e-3, SKEWED) if len(calls) <= 2 else judge(value, samples)
+
+    monkeypatch.setattr(lab00, "judge_one_way", judged)
+    passed, message = _timing(ping_pong)
+    assert passed, message
+    assert len(calls) == 5  # 2 undecided + 3 decided
+
+
 @pytest.mark.parametrize(
     "fn, hint",
     [

@@ -17,8 +17,12 @@ from .report import Report
 #: so the machine's noise cancels. A round trip (2×), a total, or half a one-way time
 #: lies nearer to a wrong candidate than to a right one.
 PING_PONG_TOLERANCE = 1.15
-#: calls of the learner's function judged; the verdict is the majority's
+#: calls of the learner's function judged; the verdict is the majority's. A call whose
+#: value is near both a right and a wrong candidate (its round trips so skewed that, say,
+#: half their mean is their median) decides nothing, and another call is made, up to
+#: TIMING_CALLS_MAX: skewed samples neither fail an honest answer nor pass a wrong one.
 TIMING_CALLS = 3
+TIMING_CALLS_MAX = 6
 #: one-way statistics a learner may report, and what other reports are
 _RIGHT = ("median", "mean")
 _WRONG = {
@@ -66,12 +70,21 @@ def candidates(samples: list[float]) -> dict[str, float]:
     return {**right, **wrong}
 
 
-def judge_one_way(value: float, samples: list[float]) -> tuple[bool, str]:
-    """(right?, nearest candidate's name) for a reported one-way time."""
+def judge_one_way(value: float, samples: list[float]) -> tuple[bool | None, str]:
+    """(right?, nearest candidate's name) for a reported one-way time; right? is None when
+    the value is within tolerance of both a right and a wrong candidate (undecided)."""
     found = candidates(samples)
-    name = min(found, key=lambda k: abs(math.log(value / found[k])))
-    near = abs(math.log(value / found[name])) <= math.log(PING_PONG_TOLERANCE)
-    return (near and ":" not in name), name
+
+    def distance(name):
+        return abs(math.log(value / found[name]))
+
+    name = min(found, key=distance)
+    band = math.log(PING_PONG_TOLERANCE)
+    near_right = any(distance(k) <= band for k in found if ":" not in k)
+    near_wrong = any(distance(k) <= band for k in found if ":" in k)
+    if near_right and near_wrong:
+        return None, name
+    return near_right, name
 
 
 def _ratio_hint(ratio: float) -> str:
@@ -130,7 +143,7 @@ def _check_timing(report: Report, ping_pong, timeout: float) -> None:
     """Judge the reported time against the same call's own messages, timed as they ran."""
     nbytes, iters, size = 4 << 20, 8, human_bytes(4 << 20)
     verdicts, values, samples = [], [], []
-    for _ in range(TIMING_CALLS):
+    for _ in range(TIMING_CALLS_MAX):
         results = run_or_report(report, f"ping_pong({nbytes}, {iters})", ping_pong, nbytes,
                                 iters, world_size=2, timeout=max(timeout, 30.0))  # fmt: skip
         if results is None:
@@ -142,6 +155,12 @@ def _check_timing(report: Report, ping_pong, timeout: float) -> None:
         verdicts.append(judge_one_way(float(value), trips))
         values.append(float(value))
         samples.append(statistics.median(trips))
+        if sum(right is not None for right, _ in verdicts) >= TIMING_CALLS:
+            break
+    decided = [(right, name) for right, name in verdicts if right is not None]
+    if not decided:  # every call undecided: the nearest candidate speaks
+        decided = [(":" not in name, name) for _, name in verdicts]
+    verdicts = decided
     passed = sum(right for right, _ in verdicts)
     ratio = statistics.median(v / m for v, m in zip(values, samples, strict=True))
     if passed * 2 > len(verdicts):
