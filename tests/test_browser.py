@@ -103,11 +103,13 @@ def jupyter(tmp_path_factory):
                 time.sleep(0.5)
         yield url, token, root
     finally:
-        os.killpg(server.pid, signal.SIGTERM)  # the server and the kernels it started
+        with contextlib.suppress(ProcessLookupError):  # it may have died already
+            os.killpg(server.pid, signal.SIGTERM)  # the server and the kernels it started
         try:
             server.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)
             server.wait()
         log.close()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -109,11 +110,13 @@ def test_make_lab_starts_jupyterlab_serving_the_labs():
         ) as r:
             assert r.status == 200 and b"JupyterLab" in r.read()
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # it may have died already
+            os.killpg(server.pid, signal.SIGTERM)
         try:
             server.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGKILL)
             server.wait()
 
 

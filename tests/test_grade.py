@@ -58,10 +58,11 @@ def test_a_hanging_cell_and_a_hanging_exercise_are_scored_within_the_limits(tmp_
     hang = "def one_f_one_b(stages, micro_batches):\n    while True:\n        pass"
     nb = notebook(hang, ASSIGN, extra=["import time\ntime.sleep(600)"])
     # limits long enough for a loaded machine to import torch in the kernel and the judge
-    result = grade_notebook(_student(tmp_path, nb), labs, cell_limit=15, check_limit=40)
+    # (2-6 s) and check the honest exercise; the hanging one's judge is ended at its limit
+    result = grade_notebook(_student(tmp_path, nb), labs, cell_limit=15, check_limit=20)
     ex = _by_name(result)
-    feedback = ex["1f1b_schedule"]["feedback"]  # the call on its rank, or the whole check, ends
-    assert "did not return within 30 s" in feedback or "did not finish within 40 s" in feedback
+    feedback = ex["1f1b_schedule"]["feedback"]
+    assert "did not finish within 20 s" in feedback, feedback
     assert ex["assign_buckets"]["points"] == 3.0  # the rest still scores
     assert any("ran past the 15 s limit per cell" in n for n in result["notes"])
 

@@ -18,6 +18,7 @@ The judge process decides the verdict, so nothing of the student's runs in it:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import threading
 
+from ..launcher import PRELOAD
 from .labs import Exercise
 from .processes import descendants, end_new_processes
 
@@ -40,6 +42,12 @@ sys.stdout.write("ready\n")  # only now does the grader send the secret
 sys.stdout.flush()
 secret = sys.stdin.readline().strip()
 sys.path[:] = [p for p in sys.path if p not in ("", ".")]  # no folder of the student's
+# the ranks' forkserver imports torch while this process does (the launcher finds it
+# running with the same preload): ~2 s of every judge's start on an idle core
+import multiprocessing
+from multiprocessing import forkserver
+multiprocessing.get_context("forkserver").set_forkserver_preload(@PRELOAD@)
+forkserver.ensure_running()
 import json, os
 import overlapkit as ok  # the kit first, before anything the notebook left
 from overlapkit import plaindata
@@ -69,7 +77,7 @@ for n in names:
 report = getattr(ok.grading, check)(*objs, **kwargs)
 out.write(json.dumps({"secret": secret, "report": report.to_dict()}) + "\n")
 out.close()
-"""
+""".replace("@PRELOAD@", repr(PRELOAD))
 
 
 def run_check(ex: Exercise, folder: str, limit: float, shown: dict | None = None) -> dict | str:
@@ -97,7 +105,6 @@ def run_check(ex: Exercise, folder: str, limit: float, shown: dict | None = None
 
     reader = threading.Thread(target=drain, daemon=True)
     before = descendants()
-    err = b""
     with tempfile.TemporaryDirectory(prefix="overlapkit-judge-") as home:
         try:
             proc = subprocess.Popen(
@@ -109,23 +116,44 @@ def run_check(ex: Exercise, folder: str, limit: float, shown: dict | None = None
         finally:
             os.close(write)
         reader.start()
+        # both output streams drained as the judge writes (a check's messages must never
+        # fill a pipe nobody reads); stderr's tail kept for "could not run"
+        err = bytearray()
+        drains = [threading.Thread(target=_drain, args=(stream, keep), daemon=True)
+                  for stream, keep in ((proc.stdout, None), (proc.stderr, err))]  # fmt: skip
         try:
             if proc.stdout.readline().strip() == b"ready":
                 proc.stdin.write(secret.encode() + b"\n")
                 proc.stdin.flush()
-            _, err = proc.communicate(timeout=limit)
-        except subprocess.TimeoutExpired:
-            return f"the check did not finish within {limit:g} s"
         except OSError:
             pass
+        for drain_thread in drains:
+            drain_thread.start()
+        try:
+            # done when the report arrives or the pipe closes (the judge ended): the judge
+            # is not waited for while it tears torch and its forkserver down (~1 s)
+            reader.join(limit)
+            if reader.is_alive():
+                return f"the check did not finish within {limit:g} s"
         finally:
             _end(proc)
             end_new_processes(before)
             reader.join(5)
+            for drain_thread in drains:
+                drain_thread.join(5)
     if not found:
-        tail = (err or b"").decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        tail = bytes(err).decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
         return f"the check could not run: {tail[0][:300]}"
     return found[0]["report"]
+
+
+def _drain(stream, keep: bytearray | None, tail: int = 8192) -> None:
+    """Read ``stream`` to its end; keep its last ``tail`` bytes in ``keep`` (if given)."""
+    with contextlib.suppress(OSError, ValueError):
+        while chunk := stream.read1(65536):
+            if keep is not None:
+                keep += chunk
+                del keep[:-tail]
 
 
 def _end(proc: subprocess.Popen) -> None:
