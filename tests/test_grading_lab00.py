@@ -223,6 +223,27 @@ def float32_buffer(nbytes, iters):
     return statistics.median(_one_way_samples(nbytes, iters, torch.float32))  # 4 × nbytes
 
 
+class Agreeable(float):
+    """A time whose arithmetic agrees with any measurement."""
+
+    def __truediv__(self, other):
+        return 1.0
+
+    def __rtruediv__(self, other):
+        return 1.0
+
+
+def agreeable_time(nbytes, iters):
+    _one_way_samples(nbytes, iters)
+    return Agreeable(1.0)
+
+
+def test_a_number_whose_arithmetic_agrees_with_anything_is_refused_as_not_a_float():
+    report = lab00.check_ping_pong(agreeable_time)
+    failed = [message for passed, message in report.cases if not passed]
+    assert failed and "rank 0 returned 1.0 (Agreeable); expected a float in seconds" in failed[0]
+
+
 def test_a_wrong_buffer_size_is_named_and_not_blamed_on_timing():
     report = lab00.check_ping_pong(float32_buffer)
     failed = [message for passed, message in report.cases if not passed]

@@ -325,6 +325,23 @@ def test_memory_check_names_each_mistake(change):
     assert all(MEMORY_MISTAKES[change] in m for m in failed), failed
 
 
+class EqualToAnything(int):
+    def __eq__(self, other):
+        return True
+
+    __hash__ = int.__hash__
+
+
+def test_memory_check_refuses_numbers_equal_to_anything():
+    report = ok.grading.check_memory_per_rank(
+        lambda n, N, opt, zero1: {
+            k: EqualToAnything(0) for k in ("params", "grads", "optimizer_state")
+        }
+    )
+    assert report.passed == 0 and report.total > 0
+    assert "That is a EqualToAnything: return a plain int" in report.cases[0][1]
+
+
 def test_memory_check_refuses_a_non_dict_and_an_unfinished_function():
     report = ok.grading.check_memory_per_rank(lambda n, N, opt, zero1: 4 * n)
     assert not report.cases[0][0] and "return a dict with the keys" in report.cases[0][1]

@@ -10,6 +10,7 @@ import pytest
 
 import overlapkit as ok
 from overlapkit.grading import lab10, records
+from overlapkit.grading.common import plain_number
 from overlapkit.grading.lab10 import BASELINE, BATCH, LINK
 
 from .conftest import soak_runs
@@ -241,6 +242,35 @@ def test_a_table_measured_just_before_passes_every_run_with_a_cpu_hog(cpu_hog):
     assert [passed for passed, *_ in results] == [True] * HOG_RUNS, results
 
 
+class Agreeable(float):
+    """A reported number whose arithmetic and comparisons agree with anything."""
+
+    def __sub__(self, other):
+        return 0.0
+
+    def __truediv__(self, other):
+        return 1.0
+
+    def __eq__(self, other):
+        return True
+
+    __hash__ = float.__hash__
+
+
+AGREEABLE = Agreeable(30.0)
+
+
+def test_numpys_own_scalars_are_plain_numbers_and_their_subclasses_are_not():
+    import numpy as np  # noqa: PLC0415
+
+    class Float64(np.float64):
+        pass
+
+    assert plain_number(np.float64(30.0)) and plain_number(np.float32(0.5)) and plain_number(3)
+    assert not plain_number(Float64(30.0))
+    assert not plain_number(AGREEABLE) and not plain_number(True)
+
+
 @pytest.mark.parametrize(
     ("tuned", "report", "words"),
     [
@@ -257,7 +287,19 @@ def test_a_table_measured_just_before_passes_every_run_with_a_cpu_hog(cpu_hog):
         (
             {"wrapper": "overlap"},
             {"before": {"step_ms": 1.0, "hidden": None}, "after": {}},
-            "REPORT['before']['hidden'] must be a number; got None",
+            "REPORT['before']['hidden'] must be a plain int or float (as measure() returns it); "
+            "got NoneType None",
+        ),  # fmt: skip
+        (  # a float whose arithmetic agrees with any re-measurement
+            {"wrapper": "overlap"},
+            {"before": {"step_ms": AGREEABLE, "hidden": 0.0}, "after": {"step_ms": 1.0}},
+            "REPORT['before']['step_ms'] must be a plain int or float (as measure() returns it); "
+            "got Agreeable 30.0",
+        ),  # fmt: skip
+        (
+            {"wrapper": "overlap"},
+            {"before": {"step_ms": 40.0, "hidden": True}, "after": {"step_ms": 1.0, "hidden": 1.0}},
+            "REPORT['before']['hidden'] must be a plain int or float",
         ),  # fmt: skip
         (  # the learner's misspelled key
             {"wrapper": "overlap"},

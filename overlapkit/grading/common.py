@@ -22,6 +22,16 @@ def human_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+_NUMPY_SCALARS = ("float64", "float32", "float16", "int64", "int32", "int16", "int8", "uint8")
+
+
+def plain_number(value) -> bool:
+    """An int or float itself (not bool), or one of NumPy's own scalar types: no subclass,
+    whose arithmetic and comparisons could be made to agree with any right answer."""
+    kind = type(value)
+    return kind in (int, float) or (kind.__module__ == "numpy" and kind.__name__ in _NUMPY_SCALARS)
+
+
 def human_seconds(t: float) -> str:
     if not isinstance(t, (int, float)) or not math.isfinite(t):
         return repr(t)

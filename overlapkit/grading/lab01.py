@@ -19,7 +19,7 @@ import threading
 import torch
 
 from ..costmodel import bytes_moved_per_rank
-from .common import executed
+from .common import executed, plain_number
 from .report import Report
 from .traffic import COLLECTIVES, KIT_COLLECTIVES
 
@@ -273,7 +273,7 @@ def check_bytes_moved(bytes_moved) -> Report:
             )
             return report
         want = bytes_moved_per_rank(collective, nbytes, world)
-        if isinstance(got, (int, float)) and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9):
+        if plain_number(got) and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9):
             report.ok(f"{label} = {want:,.0f}")
             continue
         hint = _bytes_hint(collective, nbytes, world, got, want)

@@ -17,7 +17,7 @@ import torch
 
 from .. import handles
 from ..sharded import flatten_padded, unflatten_into
-from .common import refused_rank, run_or_report, worst_element
+from .common import plain_number, refused_rank, run_or_report, worst_element
 from .report import Report
 
 STEPS, LR, MOMENTUM = 10, 0.05, 0.9
@@ -434,7 +434,7 @@ def check_memory_per_rank(memory_per_rank) -> Report:
         wrong = None
         for key in _KEYS:
             value = got[key]
-            right = isinstance(value, (int, float)) and (
+            right = plain_number(value) and (  # a subclass's == could agree with anything
                 value == want[key]
                 # Adam's step counter: one fp32 scalar, as the measured table counts it
                 or (key == "optimizer_state" and optimizer == "adam" and value == want[key] + 4)
@@ -451,8 +451,8 @@ def check_memory_per_rank(memory_per_rank) -> Report:
         value = got[wrong]
         hint = (
             _memory_hint(wrong, value, want[wrong], n_params, world, optimizer, zero1)
-            if isinstance(value, (int, float))
-            else f" That is a {type(value).__name__}: return a number of bytes."
+            if plain_number(value)
+            else f" That is a {type(value).__name__}: return a plain int, a number of bytes."
         )
         report.fail(f"{label}: {wrong!r} should be {want[wrong]:,} bytes, got {value!r}.{hint}")
     return report

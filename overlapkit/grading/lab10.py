@@ -32,7 +32,7 @@ import time
 from ..launcher import launch
 from ..p2p import Link
 from . import records
-from .common import report_failure
+from .common import plain_number, report_failure
 from .report import Report
 
 #: the lab's setup: what "before" is, the link, the batch, the goal
@@ -256,8 +256,11 @@ def _report_problem(report) -> str | None:
             if key not in row:
                 return f"REPORT[{side!r}] has no key {key!r} ({_has(list(row))})"[:300]
             value = row[key]
-            if not isinstance(value, (int, float)) or not math.isfinite(value):
-                return f"REPORT[{side!r}][{key!r}] must be a number; got {value!r}"[:300]
+            if not plain_number(value):  # a subclass's arithmetic could agree with anything
+                return (f"REPORT[{side!r}][{key!r}] must be a plain int or float (as measure() "
+                        f"returns it); got {type(value).__name__} {value!r}")[:300]  # fmt: skip
+            if not math.isfinite(value):
+                return f"REPORT[{side!r}][{key!r}] must be a finite number; got {value!r}"[:300]
         if row["step_ms"] <= 0:
             return f"REPORT[{side!r}]['step_ms'] must be a time > 0 (ms); got {row['step_ms']!r}"
     return None
