@@ -374,9 +374,26 @@ def _kit_tag(tag: int) -> int:
     return (tag & 0x7FF) << 20 | op.signature & 0xFFFFF  # below 2³¹: gloo takes int tags
 
 
+_user_ops = [0]  # messages the kit sent or received on the user's own groups
+_user_ops_lock = threading.Lock()
+
+
+def user_stream_ops() -> int:
+    """How many messages the kit has sent or received on torch's (the user's) process
+    groups so far: each counts one in that group's sequence number, so a check that
+    refuses built-in operations tells the kit's messages from the learner's own."""
+    return _user_ops[0]
+
+
+def _count_user_op() -> None:
+    with _user_ops_lock:
+        _user_ops[0] += 1
+
+
 def _pg_send(tensor: torch.Tensor, dst: int, group, tag: int):
     """Start sending through the stream's process group; the user stream uses ``group``."""
     if current_op() is None:
+        _count_user_op()
         return dist.isend(tensor, dst, group=group, tag=tag)
     pg = _kit_group(group, tensor.device)
     return pg.send([tensor], _to_pg_rank(group, dst), _kit_tag(tag))
@@ -384,6 +401,7 @@ def _pg_send(tensor: torch.Tensor, dst: int, group, tag: int):
 
 def _pg_recv(tensor: torch.Tensor, src: int, group, tag: int):
     if current_op() is None:
+        _count_user_op()
         return dist.irecv(tensor, src, group=group, tag=tag)
     pg = _kit_group(group, tensor.device)
     return pg.recv([tensor], _to_pg_rank(group, src), _kit_tag(tag))

@@ -473,3 +473,36 @@ def test_local_sgd_step_is_not_checked_on_a_wrong_average():
     later = [m for _, m in report.cases if "local_sgd_step" in m]
     assert len(later) == 2
     assert all("not reached: the check stops at its first failure" in m for m in later)
+
+
+def builtin_through_c10d(model):
+    import torch.distributed.distributed_c10d as c10d  # noqa: PLC0415
+
+    with torch.no_grad():
+        for p in model.parameters():
+            c10d.all_reduce(p.data)
+            p.data /= ok.world_size()
+
+
+def builtin_through_the_group(model):
+    import torch.distributed.distributed_c10d as c10d  # noqa: PLC0415
+
+    group = c10d._get_default_group()
+    with torch.no_grad():
+        for p in model.parameters():
+            group.allreduce([p.data]).wait()
+            p.data /= ok.world_size()
+
+
+@pytest.mark.parametrize(
+    ("fn", "words"),
+    [
+        (builtin_through_c10d, "called torch.distributed.distributed_c10d.all_reduce"),
+        (builtin_through_the_group, "more operation(s) on torch's process groups, not through"),
+    ],
+    ids=["distributed_c10d.all_reduce", "the group's own allreduce"],
+)
+def test_a_builtin_collective_by_another_door_is_refused(fn, words):
+    report = ok.grading.check_average_parameters(fn)
+    assert not report.all_passed
+    assert words in "\n".join(m for _, m in report.cases), report.cases

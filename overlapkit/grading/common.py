@@ -203,12 +203,48 @@ def executed(fn):
         sys.setprofile(before)
 
 
+@contextlib.contextmanager
 def builtin_collectives():
-    """Record calls of torch.distributed's collectives (the exercise builds its own)."""
+    """Record torch.distributed's collectives the learner ran, however reached: the calls of
+    their names on ``torch.distributed`` and on ``distributed_c10d``, and then what torch's
+    process groups themselves counted (their sequence numbers: a group's own ``allreduce``,
+    a collective through any alias), less the kit's own messages on those groups. Yields
+    the list of what was found, complete when the block ends."""
     import torch.distributed as dist  # noqa: PLC0415
+    import torch.distributed.distributed_c10d as c10d  # noqa: PLC0415
 
-    present = [n for n in _BUILTINS if hasattr(dist, n)]
-    return recorded_calls(dist, present, prefix="torch.distributed.")
+    from .. import p2p  # noqa: PLC0415
+
+    found = []
+    before, kit_before = _group_ops(), p2p.user_stream_ops()
+    with (
+        recorded_calls(dist, [n for n in _BUILTINS if hasattr(dist, n)],
+                       prefix="torch.distributed.") as named,
+        recorded_calls(c10d, [n for n in _BUILTINS if hasattr(c10d, n)],
+                       prefix="torch.distributed.distributed_c10d.") as named_c10d,
+    ):  # fmt: skip
+        try:
+            yield found
+        finally:
+            after = _group_ops()
+            ops = sum(n - before.get(g, 0) for g, n in after.items())
+            unnamed = ops - (p2p.user_stream_ops() - kit_before) - len(named) - len(named_c10d)
+            found += named + named_c10d
+            if unnamed > 0:
+                found.append(f"{unnamed} more operation(s) on torch's process groups, not "
+                             "through the kit (a group's own allreduce, send, …)")  # fmt: skip
+
+
+def _group_ops() -> dict:
+    """Each process group of torch's registry: how many operations it has run (its
+    sequence number; groups that keep none are left out)."""
+    import torch.distributed.distributed_c10d as c10d  # noqa: PLC0415
+
+    counts = {}
+    for group in list(getattr(getattr(c10d, "_world", None), "pg_map", {}) or {}):
+        with contextlib.suppress(Exception):
+            counts[id(group)] = int(group._get_sequence_number_for_group())
+    return counts
 
 
 def refused_rank(report: Report, what: str, rank: int, res: dict, traffic, advice: str) -> bool:
