@@ -7,6 +7,8 @@ speed: each margin is several times the noise of a shared machine.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 
 import pytest
@@ -242,17 +244,20 @@ def test_non_contiguous_and_zero_dim_tensors_travel_over_the_link():
     assert ok.launch(_odd_layouts, world_size=2, link=ok.Link(10, 1)) == [(True, 1.0), (True, 0.0)]
 
 
-def test_a_launch_leaves_no_shared_memory_behind(tmp_path):
-    def files():
-        return {p for p in os.listdir("/dev/shm") if p.startswith("overlapkit-")}
-
+def test_a_launch_leaves_no_shared_memory_behind(monkeypatch):
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm on this system")
-    before = files()
-    ok.launch(_collectives_under_link, world_size=3, link=ok.Link(20, 1))
-    with pytest.raises(RuntimeError):
-        ok.launch(_mismatched_receive, world_size=2, link=ok.Link(10, 1), timeout=60)
-    assert files() == before
+    # a folder of this test's own under /dev/shm: other tests' launches (another pytest
+    # worker) come and go in /dev/shm itself meanwhile
+    root = tempfile.mkdtemp(prefix="overlapkit-test-", dir="/dev/shm")
+    monkeypatch.setenv("OVERLAPKIT_SHM_DIR", root)
+    try:
+        ok.launch(_collectives_under_link, world_size=3, link=ok.Link(20, 1))
+        with pytest.raises(RuntimeError):
+            ok.launch(_mismatched_receive, world_size=2, link=ok.Link(10, 1), timeout=60)
+        assert os.listdir(root) == []
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_the_channel_places_at_the_lowest_free_offset_and_refuses_what_does_not_fit(
