@@ -148,7 +148,8 @@ def test_an_honest_answer_on_skewed_round_trips_is_measured_again_and_passes(mon
     monkeypatch.setattr(lab00, "judge_one_way", judged)
     passed, message = _timing(ping_pong)
     assert passed, message
-    assert len(calls) == 5  # 2 undecided + 3 decided
+    # the 2 undecided, then 3 decided (a real call may be undecided too, on a loaded machine)
+    assert 5 <= len(calls) <= lab00.TIMING_CALLS_MAX, calls
 
 
 @pytest.mark.parametrize(
