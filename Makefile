@@ -10,9 +10,10 @@ PIP_ARGS ?=
 # extra JupyterLab arguments, e.g. JUPYTER_ARGS="--no-browser --port 8899"
 JUPYTER_ARGS ?=
 PYTEST_ARGS ?=
-# pytest-xdist workers for `make test` (0: one process). Each test file stays on one worker
-# (--dist loadfile): a notebook's nbval cells share their kernel, a file its fixtures
-PYTEST_WORKERS ?= 2
+# pytest-xdist workers for `make test` (0: one process); 3 on 2 cores, as much of the suite
+# waits (kernels, judges, hang limits). A notebook's nbval cells stay on one worker, other
+# tests go where a worker is free (the scheduler: pytest_xdist_make_scheduler, tests/conftest.py)
+PYTEST_WORKERS ?= 3
 # JupyterLab refuses to run as root unless told; containers and CI machines often are root
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 LINTED := overlapkit tests solutions
@@ -33,7 +34,7 @@ lab: $(STAMP)
 ## Lint, then every test: library, generator, lab notebooks, the labs in a browser
 ## (headless Chromium; skipped with the reason where it cannot be installed), nbval.
 test: $(STAMP) lint browser-deps
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS) tests --nbval --nbval-current-env --nbval-cell-timeout=300 solutions
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS) tests --nbval --nbval-current-env --nbval-cell-timeout=300 solutions
 
 ## The verdicts that must hold every time, repeated 20 times each (some beside a CPU hog):
 ## longer than CI allows; the test suite repeats them fewer times.

@@ -57,6 +57,31 @@ def no_leftover_ranks():
     assert not left, f"processes left running: {[p.cmdline() for p in left]}"
 
 
+#: test files whose tests share a module-scoped fixture (a JupyterLab server, a measured
+#: sweep): under pytest-xdist they stay on one worker, as each notebook's nbval cells do
+#: (they share its kernel); every other test goes to whichever worker is free
+KEEP_TOGETHER = ("test_browser.py", "test_grading_lab10.py")
+
+
+def _scope(nodeid: str) -> str:
+    """What must run on one worker: a notebook's cells, a KEEP_TOGETHER file; else the test."""
+    path = nodeid.split("::", 1)[0]
+    return path if path.endswith(".ipynb") or path.rsplit("/", 1)[-1] in KEEP_TOGETHER else nodeid
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: none without it
+def pytest_xdist_make_scheduler(config, log):
+    """`make test`'s scheduling (pytest -n N): pytest-xdist's load-by-scope, with the scopes
+    above (its own scopes are whole files: a file of twelve notebooks' tests ran last, alone)."""
+    from xdist.scheduler import LoadScopeScheduling  # noqa: PLC0415
+
+    class Scheduler(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return _scope(nodeid)
+
+    return Scheduler(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
