@@ -89,9 +89,10 @@ def test_a_kernel_that_ignores_interrupts_is_ended_within_the_limit(tmp_path, la
     took = time.time() - float(began.read_text())  # from the cell's start
     assert any("ignored the interrupt" in n for n in result["notes"]), result["notes"]
     assert result["score"] == 0  # nothing could be harvested from a kernel that had to die
-    # the limit, the grace, and 10 s for a busy machine (nbclient's own timeout noticed the
-    # killed kernel only after waiting its limit a second time: 20 + 20 s and more)
-    assert took < 20 + 5 + 10, took
+    # the limit, the grace, and 13 s for a busy machine to end the kernel and tidy up (31.9 s
+    # beside two other pytest workers); nbclient's own timeout noticed the killed kernel
+    # only after waiting its limit a second time: 20 + 20 s and more (44 s on a quiet one)
+    assert took < 20 + 5 + 13, took
 
 
 def test_processes_a_notebook_leaves_running_are_ended(tmp_path, labs):
