@@ -138,12 +138,25 @@ def test_values_near_only_one_kind_of_candidate_are_decided_for_skewed_round_tri
     assert lab00.judge_one_way(1.45e-3, SKEWED)[0] is False  # half the median
 
 
+def test_the_whole_loop_timed_once_is_right_also_when_gaps_between_round_trips_are_long():
+    # rank 0's messages: 8 round trips of 2 × 1 ms, each 9 ms after the last (a loaded
+    # machine): the loop's one-way time is 5 ms, the messages' own 1 ms
+    timed, t = [], 0.0
+    for _ in range(8):
+        timed += [("send", 1, t, None), ("recv", 1, t + 1e-3, t + 2e-3)]
+        t += 10e-3
+    spans = lab00.loop_spans(timed)
+    assert spans[0] == pytest.approx((7 * 10e-3 + 2e-3) / 16)
+    assert lab00.judge_one_way(spans[0], lab00.round_trips(timed), spans) == (True, "loop0")
+    assert lab00.judge_one_way(2 * spans[0], lab00.round_trips(timed), spans)[0] is False
+
+
 def test_an_honest_answer_on_skewed_round_trips_is_measured_again_and_passes(monkeypatch):
     calls, judge = [], lab00.judge_one_way
 
-    def judged(value, samples):  # the first two calls land on skewed round trips
+    def judged(value, samples, spans=()):  # the first two calls land on skewed round trips
         calls.append(value)
-        return judge(2.94e-3, SKEWED) if len(calls) <= 2 else judge(value, samples)
+        return judge(2.94e-3, SKEWED) if len(calls) <= 2 else judge(value, samples, spans)
 
     monkeypatch.setattr(lab00, "judge_one_way", judged)
     passed, message = _timing(ping_pong)

@@ -55,9 +55,23 @@ def round_trips(timed, peer: int = 1) -> list[float]:
     return [(e - s) / 2 for s, e in zip(sends, ends, strict=False) if e is not None and e > s]
 
 
-def candidates(samples: list[float]) -> dict[str, float]:
+def loop_spans(timed, peer: int = 1) -> list[float]:
+    """One-way times of the whole loop, as a learner who times the loop once gets them:
+    (end of the last receive − start of the k-th send) / (2 × the round trips after it),
+    for k = 0, 1, 2 (warm-ups left out); the gaps between round trips count, as they do in
+    such a learner's clock (a loaded machine makes them long)."""
+    sends = [start for call, p, start, _ in timed if "send" in call and p == peer]
+    ends = [end for call, p, _, end in timed if "recv" in call and p == peer and end is not None]
+    if not sends or not ends:
+        return []
+    n = min(len(sends), len(ends))
+    return [(ends[n - 1] - sends[k]) / (2 * (n - k)) for k in range(min(3, n))
+            if ends[n - 1] > sends[k]]  # fmt: skip
+
+
+def candidates(samples: list[float], spans: list[float] = ()) -> dict[str, float]:
     """What a right answer may be (name -> seconds), and what each mistake gives."""
-    right = {}
+    right = {f"loop{skip}": span for skip, span in enumerate(spans)}
     for skip in range(min(3, len(samples))):
         kept = samples[skip:]
         right[f"median{skip}"] = statistics.median(kept)
@@ -70,10 +84,11 @@ def candidates(samples: list[float]) -> dict[str, float]:
     return {**right, **wrong}
 
 
-def judge_one_way(value: float, samples: list[float]) -> tuple[bool | None, str]:
+def judge_one_way(value: float, samples: list[float],
+                  spans: list[float] = ()) -> tuple[bool | None, str]:  # fmt: skip
     """(right?, nearest candidate's name) for a reported one-way time; right? is None when
     the value is within tolerance of both a right and a wrong candidate (undecided)."""
-    found = candidates(samples)
+    found = candidates(samples, spans)
 
     def distance(name):
         return abs(math.log(value / found[name]))
@@ -152,7 +167,7 @@ def _check_timing(report: Report, ping_pong, timeout: float) -> None:
         trips = round_trips(traffic.timed)
         if not plain_number(value) or value <= 0 or len(trips) < iters // 2:
             return _check_timing_against_kit(report, ping_pong, timeout)
-        verdicts.append(judge_one_way(float(value), trips))
+        verdicts.append(judge_one_way(float(value), trips, loop_spans(traffic.timed)))
         values.append(float(value))
         samples.append(statistics.median(trips))
         if sum(right is not None for right, _ in verdicts) >= TIMING_CALLS:
