@@ -95,6 +95,25 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+class Agreeable(float):
+    """A reported number whose arithmetic and comparisons agree with any right answer (what
+    a student who reads the checks might return): checks must refuse it as not a plain float."""
+
+    def __sub__(self, other):
+        return 0.0
+
+    def __truediv__(self, other):
+        return 1.0
+
+    def __rtruediv__(self, other):
+        return 1.0
+
+    def __eq__(self, other):
+        return True
+
+    __hash__ = float.__hash__
+
+
 def soak_runs(in_ci: int, soak: int = 20) -> int:
     """How often a verdict that must hold every time is repeated: ``soak`` times when
     OVERLAPKIT_SOAK=1 (``make soak``: the 20-of-20 runs an issue asks for), else

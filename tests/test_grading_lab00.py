@@ -15,7 +15,7 @@ import overlapkit as ok
 from overlapkit.grading import lab00
 from overlapkit.grading.report import Report
 
-from .conftest import soak_runs
+from .conftest import Agreeable, soak_runs
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 
@@ -235,16 +235,6 @@ def test_each_typical_fit_mistake_is_named(fn, hint):
 
 def float32_buffer(nbytes, iters):
     return statistics.median(_one_way_samples(nbytes, iters, torch.float32))  # 4 × nbytes
-
-
-class Agreeable(float):
-    """A time whose arithmetic agrees with any measurement."""
-
-    def __truediv__(self, other):
-        return 1.0
-
-    def __rtruediv__(self, other):
-        return 1.0
 
 
 def agreeable_time(nbytes, iters):

@@ -13,7 +13,7 @@ from overlapkit.grading import lab10, records
 from overlapkit.grading.common import plain_number
 from overlapkit.grading.lab10 import BASELINE, BATCH, LINK
 
-from .conftest import soak_runs
+from .conftest import Agreeable, soak_runs
 
 ONE_MIB = {"wrapper": "bucketed", "bucket_mb": 1}
 #: the issue's invented table: plausible-looking, guessable lines, never measured
@@ -240,21 +240,6 @@ def test_a_table_measured_just_before_passes_every_run_with_a_cpu_hog(cpu_hog):
         result = ok.grading.check_tuning(table, ONE_MIB)
         results.append((result.all_passed, table, _text(result)))
     assert [passed for passed, *_ in results] == [True] * HOG_RUNS, results
-
-
-class Agreeable(float):
-    """A reported number whose arithmetic and comparisons agree with anything."""
-
-    def __sub__(self, other):
-        return 0.0
-
-    def __truediv__(self, other):
-        return 1.0
-
-    def __eq__(self, other):
-        return True
-
-    __hash__ = float.__hash__
 
 
 AGREEABLE = Agreeable(30.0)
