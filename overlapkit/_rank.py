@@ -52,6 +52,7 @@ class RankSpec:
     link: object = None  # an overlapkit.p2p.Link for the kit's messages, or None
     shm_dir: str | None = None  # where emulated messages' bytes go (overlapkit.shm)
     plain: bool = False  # the caller reads the value as plain data (overlapkit.plaindata)
+    private: bytes | None = None  # cloudpickle of this rank's own keyword arguments
 
 
 #: a store key per rank that has returned (its peers stop waiting for it to read)
@@ -167,6 +168,8 @@ def main(spec: RankSpec, rank: int, conn) -> None:
         if spec.backend == "nccl":
             torch.cuda.set_device(rank)
         fn, args, kwargs = cloudpickle.loads(spec.payload)
+        if spec.private is not None:
+            kwargs = {**kwargs, **cloudpickle.loads(spec.private)}
         store = dist.FileStore(spec.store_path, spec.world_size)
         dist.init_process_group(
             spec.backend,

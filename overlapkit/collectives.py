@@ -33,6 +33,7 @@ import itertools
 import math
 import queue
 import re
+import sys
 import threading
 import time
 
@@ -246,6 +247,7 @@ class _Executor:
         self.name = name
         self._cond = threading.Condition()
         self._issued = 0
+        self.collectives_issued = 0  # of them, collectives (not run_async's functions)
         self._done = 0
         self._seq = 0
         self._broken: str | None = None
@@ -277,6 +279,7 @@ class _Executor:
         with self._cond:
             ticket = self._issued
             self._issued += 1
+            self.collectives_issued += call is not None
             if not async_op and self._done != ticket:  # wait for the ops issued before
                 self._cond.wait_for(lambda: self._done == ticket)
         if not async_op:
@@ -294,7 +297,7 @@ class _Executor:
             ready.record(torch.cuda.current_stream(device))
         future = concurrent.futures.Future()
         self._ensure_worker()
-        self._queue.put((ticket, fn, call, device, ready, future))
+        self._queue.put((ticket, fn, call, device, ready, future, _profile_to_carry()))
         return Handle(future, what, guard)
 
     def _execute(self, fn, call, device, ready):
@@ -340,12 +343,13 @@ class _Executor:
 
     def _loop(self) -> None:
         while True:
-            ticket, fn, call, device, ready, future = self._queue.get()
+            ticket, fn, call, device, ready, future, profile = self._queue.get()
             with self._cond:
                 self._cond.wait_for(lambda t=ticket: self._done == t)
             try:
                 if future.set_running_or_notify_cancel():
                     self._turn.active = True
+                    sys.setprofile(profile)
                     try:
                         # callbacks of the future run here: still within this op's turn
                         future.set_result(self._execute(fn, call, device, ready))
@@ -353,8 +357,17 @@ class _Executor:
                         future.set_exception(exc)
                     finally:
                         self._turn.active = False
+                        sys.setprofile(None)
             finally:
                 self._advance()
+
+
+def _profile_to_carry():
+    """The issuing thread's profile function, when it asks to be carried to the worker
+    (``propagates``: a check's watch for the kit's own answers, ``grading.answers``):
+    ``sys.setprofile`` is per thread, and an async op's task runs on the worker."""
+    profile = sys.getprofile()
+    return profile if getattr(profile, "propagates", False) else None
 
 
 def _run_op(fn, op):

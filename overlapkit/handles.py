@@ -10,11 +10,13 @@ names each one and where it was issued — and re-raises a failure nobody saw.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
 import time
 import warnings
+import weakref
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 _unwaited: dict = {}
@@ -70,6 +72,14 @@ class Tracked:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done; raise its failure; TimeoutError after ``timeout`` seconds."""
+        call = self._plain_wait
+        # a check's probes (wrap_wait), outermost last: here, in the class, a wait is seen
+        # however it was called (handle.wait(), type(handle).wait(handle), wait_all)
+        for wrapper in _wrappers.get(self, ()):
+            call = functools.partial(wrapper, call)
+        return call(timeout)
+
+    def _plain_wait(self, timeout: float | None = None) -> bool:
         timeout_at = None if timeout is None else time.perf_counter() + float(timeout)
         try:
             self._wait(timeout_at)
@@ -86,6 +96,20 @@ class Tracked:
             self.waited = True
             with _lock:
                 _unwaited.pop(id(self), None)
+
+
+#: each handle's wait wrappers (a check's probes), kept beside the handle, not on it
+_wrappers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def wrap_wait(handle: Tracked, wrapper) -> Tracked:
+    """Run ``wrapper(wait, timeout)`` for every wait of ``handle`` instead of ``wait(timeout)``
+    itself, however the wait is called (``handle.wait()``, ``type(handle).wait(handle)``,
+    ``ok.p2p.wait_all``): how a check observes waits. Returns ``handle``."""
+    if not isinstance(handle, Tracked):
+        raise TypeError(f"wrap_wait: not a kit handle: {type(handle).__name__}")
+    _wrappers.setdefault(handle, []).append(wrapper)
+    return handle
 
 
 def report_unwaited(grace_s: float = 5.0) -> None:

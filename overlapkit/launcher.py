@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import io
 import linecache
 import multiprocessing as mp
@@ -182,6 +183,7 @@ def launch(
     threads: int | None = None,
     quiet: bool = False,
     link=None,
+    rank_kwargs: list[dict] | None = None,
     **kwargs,
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks; return their values by rank.
@@ -193,6 +195,8 @@ def launch(
     are shared out so that ranks do not oversubscribe them. ``quiet=True``
     discards the ranks' output instead of printing it. ``link`` (an :class:`ok.Link`)
     emulates a network for the kit's point-to-point messages and collectives.
+    ``rank_kwargs``: one dict per rank, more keyword arguments for that rank's call only,
+    sent to that rank alone (a check's inputs that no other rank may see).
     """
     if not callable(fn):
         raise TypeError(f"launch() needs a function to run on the ranks, got {type(fn).__name__}")
@@ -200,8 +204,11 @@ def launch(
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if timeout is not None and timeout <= 0:
         raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
+    if rank_kwargs is not None and len(rank_kwargs) != world_size:
+        raise ValueError(f"rank_kwargs: one dict per rank ({world_size}), got {len(rank_kwargs)}")
     if _under_torchrun():
-        return _launch_in_place(fn, args, kwargs, world_size, backend, link)
+        mine = rank_kwargs[int(os.environ["RANK"])] if rank_kwargs is not None else {}
+        return _launch_in_place(fn, args, {**kwargs, **mine}, world_size, backend, link)
 
     backend = runtime.resolve_backend(backend, world_size)
     if threads is None:
@@ -230,7 +237,13 @@ def launch(
         shm_dir=shm_dir,
         plain=not plaindata.trusting(),
     )
-    ranks = _Ranks(spec)
+    private = None
+    if rank_kwargs is not None:
+        try:
+            private = [dumps_keeping_filenames(kw) for kw in rank_kwargs]
+        except Exception as exc:
+            raise LaunchError(f"could not send rank_kwargs to the ranks: {exc}") from exc
+    ranks = _Ranks(spec, private)
     interrupted = False
     try:
         ranks.start()
@@ -341,8 +354,8 @@ class _Ranks:
     #: so that the lowest failing rank (not the fastest) is reported
     FAILURE_GRACE_S = 0.3
 
-    def __init__(self, spec: _rank.RankSpec):
-        self.spec = spec
+    def __init__(self, spec: _rank.RankSpec, private: list[bytes] | None = None):
+        self.spec, self.private = spec, private
         self.procs: list = []
         self.conns: list = []
         self._finished = [False] * spec.world_size
@@ -352,8 +365,11 @@ class _Ranks:
         with _start_lock, _ranks_skip_main():
             for r in range(self.spec.world_size):
                 recv, send = ctx.Pipe(duplex=False)
+                # a rank's own keyword arguments go in its spec alone
+                spec = self.spec if self.private is None else (
+                    dataclasses.replace(self.spec, private=self.private[r]))  # fmt: skip
                 proc = ctx.Process(
-                    target=_rank.main, args=(self.spec, r, send), name=f"overlapkit-rank{r}"
+                    target=_rank.main, args=(spec, r, send), name=f"overlapkit-rank{r}"
                 )
                 self.conns.append(recv)
                 proc.start()

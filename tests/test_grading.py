@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -96,9 +97,11 @@ def test_a_ring_that_assumes_divisible_sizes_is_told_which_rank_and_chunk_differ
     ((passed, message),) = report.cases
     assert not passed
     # 12 elements pass; 1031 = 3 × 343 + 2: the last two elements are never reduced
-    assert message.startswith(
-        "3 ranks, a tensor of 1031 elements: rank 0, chunk 2 (elements 688-1030) differs first "
-        "at element 1029: expected 3, got 2."
+    # the inputs are drawn per run; rank 1's and 2's parts are missing in every element
+    assert re.match(
+        r"3 ranks, a tensor of 1031 elements: rank 0, chunk 2 \(elements 688-1030\) differs "
+        r"first at element 1029: expected -?\d+, got -?\d+\.",
+        message,
     ), message
     assert "chunks must cover every element" in message
 
@@ -118,7 +121,7 @@ def _mistake(mistake):
                                    "this rank's own input, untouched"),
         # 3 ranks: the evenly divisible case, reported first, says more than a size error
         ("receive chunk r-k-1", 3, "12 elements: rank 0, chunk 0 (elements 0-3) differs first "
-                                   "at element 0: expected 7, got 6. It holds x0"),
+                                   "at element 0: expected "),
         ("receive without adding", 3, "one rank's values only. Either a received chunk "
                                       "replaced the local one instead of being added to it"),
         ("skip empty on the sender only", 3, "on a tensor of 2 elements: rank 1 posted a receive "
@@ -139,11 +142,12 @@ def test_each_typical_ring_mistake_is_named_by_the_check(mistake, world, expecte
 
 
 def test_calling_a_built_in_or_the_kit_collective_fails_a_from_scratch_exercise():
-    for fn, called in ((uses_builtin, "all_reduce"), (uses_the_kit, "ok.ring_all_reduce")):
-        report = ok.grading.check_all_reduce(fn, world_sizes=(2,))
-        assert report.cases == [
-            (False, f"rank 0 called {called}: build it from send/recv (isend/irecv) only")
-        ]
+    report = ok.grading.check_all_reduce(uses_builtin, world_sizes=(2,))
+    assert report.cases == [
+        (False, "rank 0 called all_reduce: build it from send/recv (isend/irecv) only")
+    ]
+    ((passed, message),) = ok.grading.check_all_reduce(uses_the_kit, world_sizes=(2,)).cases
+    assert not passed and "rank 0 ran ok.collectives.ring_all_reduce, the kit's own" in message
     assert ok.grading.check_all_reduce(
         uses_builtin, from_scratch=False, world_sizes=(2,)
     ).all_passed
@@ -302,8 +306,8 @@ def test_a_right_naive_all_reduce_passes():
     "mistake, expected",
     [
         ("root never sends back", "rank 1, chunk 0 (elements 0-3) differs first at element 0: "
-                                  "expected 7, got -2. The whole tensor is exactly this "
-                                  "rank's input"),
+                                  "expected "),
+        ("root never sends back", "The whole tensor is exactly this rank's input"),
         ("root forgets its own value", "It holds x1 + x2 (xr: rank r's input there), not "
                                        "x0 + x1 + x2: rank(s) [0] missing"),
         # both receives land in one buffer: whichever lands last wins, rank 1's or rank 2's

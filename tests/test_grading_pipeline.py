@@ -230,7 +230,7 @@ def test_1f1b_the_kits_own_schedule_is_not_an_answer():
         return [[str(a) for a in s] for s in ok.pipeline.make_schedule("1f1b", stages, m)]
 
     report = ok.grading.check_1f1b_schedule(borrowed)
-    assert "called ok.pipeline.make_schedule" in _lines(report)
+    assert "ran ok.pipeline.make_schedule" in _lines(report)
     assert report.passed == 0  # the kit's lists earn nothing
 
 
@@ -241,7 +241,7 @@ def test_1f1b_the_kits_own_schedule_under_another_name_is_not_an_answer():
         return [[str(a) for a in s] for s in schedule("1f1b", stages, m)]
 
     report = ok.grading.check_1f1b_schedule(aliased)
-    assert "called ok.pipeline.make_schedule" in _lines(report) and report.passed == 0
+    assert "ran ok.pipeline.make_schedule" in _lines(report) and report.passed == 0
 
 
 def test_1f1b_tuples_instead_of_strings_are_named():

@@ -21,19 +21,26 @@ world size; a call whose sizes do not fit is refused before it reaches gloo
 (which would stop the process with a fatal check), and a case whose size does
 not divide says: pad.
 
-Inputs are small integers stored as floats, so sums are exact in any order and
-the numbers in a message are readable.
+Inputs are drawn afresh on every run, and each rank is sent only its own seed, so no
+rank can rebuild another's input. They are integers stored as floats (sums are exact in
+any order): for a sum, rank r's values are ±1…4 times 10^r, so every digit of a result
+says what one rank contributed, and a result that counts any rank's part zero times, twice
+or negated differs from the sum in every element, whatever was drawn.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
+import secrets
 
 import torch
 
 from ..collectives import chunk_bounds
 from ..p2p import Link
+from . import answers
+from . import traffic as recorder
 from .common import _learner_line, report_failure
 from .lab01 import PARTS, collective_calls, made_of_problem, padding_advice
 from .report import Report
@@ -55,17 +62,33 @@ def _sizes(world: int) -> list[int]:
     return list(dict.fromkeys(sizes))
 
 
-def _input(rank: int, numel: int, salt: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * salt + rank)
-    return torch.randint(-9, 10, (numel,), generator=g).float()
+def _seeds(world: int) -> dict[tuple[int, int], int]:
+    """A fresh seed per (rank, case), drawn by the checking process each time it checks:
+    each rank is sent its own only (``ok.launch``'s rank_kwargs), so no rank can rebuild
+    another's input and skip the communication."""
+    return {(r, salt): secrets.randbits(62) for r in range(world)
+            for salt in range(len(_sizes(world)))}  # fmt: skip
+
+
+def _mine(seeds: dict, rank: int, world: int) -> dict:
+    return {"seeds": [seeds[(rank, salt)] for salt in range(len(_sizes(world)))]}
+
+
+def _input(seed: int, numel: int, rank: int, op: str = "sum") -> torch.Tensor:
+    """Rank ``rank``'s input of a case (see the module docstring)."""
+    g = torch.Generator().manual_seed(seed)
+    sign = torch.randint(0, 2, (numel,), generator=g).float() * 2 - 1
+    if op not in ("sum", "avg") or rank > 5:  # products stay exact with small factors
+        return sign * torch.randint(1, 10, (numel,), generator=g).float()
+    return sign * torch.randint(1, 5, (numel,), generator=g).float() * 10.0**rank
 
 
 def _call(fn, op, *tensors):
     return fn(*tensors) if op == "sum" else fn(*tensors, op=op)
 
 
-def _truth(world, numel, salt, op):
-    stack = torch.stack([_input(r, numel, salt) for r in range(world)])
+def _truth(world, numel, salt, op, seeds):
+    stack = torch.stack([_input(seeds[(r, salt)], numel, r, op) for r in range(world)])
     return {
         "sum": stack.sum(0),
         "max": stack.amax(0),
@@ -102,41 +125,53 @@ def _case(what: str, call, done: list, numel: int | None = None):
         raise error from exc
 
 
-def _run_all_reduce(fn, op, made_of=None):
+def _messages_since(mark: tuple[int, int]) -> tuple[list, list]:
+    """The (peer, bytes) messages this rank sent and received since ``mark``."""
+    seen = recorder.current()
+    return (seen.sent[mark[0] :], seen.received[mark[1] :]) if seen else ([], [])
+
+
+def _mark() -> tuple[int, int]:
+    seen = recorder.current()
+    return (len(seen.sent), len(seen.received)) if seen else (0, 0)
+
+
+def _run_all_reduce(fn, op, made_of=None, seeds=()):
     import overlapkit as ok
 
     me, world, out = ok.rank(), ok.world_size(), []
     with collective_calls(fn) if made_of else contextlib.nullcontext([]) as calls:
         for salt, numel in enumerate(_sizes(world)):
-            t, start = _input(me, numel, salt), len(calls)
+            t, start, mark = _input(seeds[salt], numel, me, op), len(calls), _mark()
             returned, unwaited = _case(
                 f"a tensor of {numel} elements", lambda t=t: _call(fn, op, t), out, numel
             )
             returned = returned if isinstance(returned, torch.Tensor) else None
-            out.append((numel, t, returned, unwaited, tuple(calls[start:])))
+            out.append((numel, t, returned, unwaited, tuple(calls[start:]),
+                        _messages_since(mark)))  # fmt: skip
     return out
 
 
-def _run_reduce_scatter(fn, op):
+def _run_reduce_scatter(fn, op, seeds=()):
     import overlapkit as ok
 
     me, world, out = ok.rank(), ok.world_size(), []
     for salt, per_rank in enumerate(_sizes(world)):
         output = torch.full((per_rank,), float("nan"))
-        inp = _input(me, per_rank * world, salt)
+        inp = _input(seeds[salt], per_rank * world, me, op)
         what = f"an input of {per_rank * world} elements"
         _, unwaited = _case(what, lambda o=output, i=inp: _call(fn, op, o, i), out)
         out.append((per_rank, output, None, unwaited))
     return out
 
 
-def _run_all_gather(fn, op):
+def _run_all_gather(fn, op, seeds=()):
     import overlapkit as ok
 
     me, world, out = ok.rank(), ok.world_size(), []
     for salt, per_rank in enumerate(_sizes(world)):
         output = torch.full((per_rank * world,), float("nan"))
-        inp = _input(me, per_rank, salt)
+        inp = _input(seeds[salt], per_rank, me)
         what = f"an output of {per_rank * world} elements"
         _, unwaited = _case(what, lambda o=output, i=inp: fn(o, i), out)
         out.append((per_rank, output, None, unwaited))
@@ -347,14 +382,21 @@ def _explain_made_of(world: int):
 
 
 def _check(name, fn, runner, expected, world_sizes, op, from_scratch, timeout,
-           inputs=None, made_of=None) -> Report:  # fmt: skip
+           inputs=None, made_of=None, pattern=None) -> Report:  # fmt: skip
     report = Report(name)
     extra = {"made_of": tuple(made_of)} if made_of else {}
+    forbid = answers.of("from_scratch") if from_scratch else ()
+    given = expected, inputs
     for world in world_sizes:
         what = f"{name} on {world} ranks"
+        seeds = _seeds(world)
+        expected = functools.partial(given[0], seeds=seeds)
+        inputs = None if given[1] is None else functools.partial(given[1], seeds=seeds)
         try:
             results = run_recorded(runner, fn, op, world_size=world, timeout=timeout,
-                                   link=CHECK_LINK, **extra)  # fmt: skip
+                                   link=CHECK_LINK, forbid=forbid,
+                                   rank_kwargs=[_mine(seeds, r, world) for r in range(world)],
+                                   **extra)  # fmt: skip
         except CaseError as exc:  # a value wrong before the error says more than the error
             done = [(exc.rank, exc.done, Traffic())]
             problem = _first_problem(done, world, expected, op, False, inputs, made_of)
@@ -367,14 +409,80 @@ def _check(name, fn, runner, expected, world_sizes, op, from_scratch, timeout,
             explain = _explain_made_of(world) if made_of else _explain_failure
             report_failure(report, what, exc, timeout, explain)
             return report
-        results = [(rank, cases, traffic) for rank, (cases, traffic) in enumerate(results)]
+        results = [(rank, cases, seen) for rank, (cases, seen) in enumerate(results)]
         problem = _first_problem(results, world, expected, op, from_scratch, inputs, made_of)
+        problem = problem or _pattern_problem(results, world, pattern)
         if problem:
             report.fail(problem)
             return report  # one clear reason at a time: fix it, then run the check again
         sizes = ", ".join(map(str, sorted(_sizes(world))))
-        report.ok(f"{world} ranks: correct on every rank for sizes {sizes}")
+        shape = {"ring": ", each rank sending only to its right neighbour, one chunk a step",
+                 "root": ", through rank 0"}.get(pattern, "")  # fmt: skip
+        report.ok(f"{world} ranks: correct on every rank for sizes {sizes}{shape}")
     return report
+
+
+def _pattern_problem(results, world: int, pattern: str | None) -> str | None:
+    """The first case whose messages are not the ``pattern`` the lab teaches (the values
+    were right: :func:`_first_problem` found nothing), said precisely; None if none."""
+    if pattern is None or world < 2:
+        return None
+    for rank, cases, _ in results:
+        for case in cases:
+            numel, (sent, received) = case[0], case[5]
+            where = f"{world} ranks, {numel} elements: rank {rank}"
+            problem = (_ring_problem if pattern == "ring" else _root_problem)(
+                rank, world, numel, sent, received)  # fmt: skip
+            if problem:
+                return f"{where} {problem}"
+    return None
+
+
+def _ring_problem(rank: int, world: int, numel: int, sent, received) -> str | None:
+    right, left, steps = (rank + 1) % world, (rank - 1) % world, 2 * (world - 1)
+    chunk = -(-numel // world) * 4  # the largest chunk, in bytes (float32)
+    ring = (f"In a ring each rank sends only to its right neighbour ({right}) and receives "
+            f"only from its left ({left}), one chunk of about S/N a step, 2(N−1) = {steps} "
+            "steps: the sum is right, but it did not travel round the ring")  # fmt: skip
+    if others := sorted({p for p, _ in sent if p != right}):
+        return f"sent to rank {others[0]}. {ring}."
+    if others := sorted({p for p, _ in received if p != left}):
+        return f"received from rank {others[0]}. {ring}."
+    if big := [n for _, n in sent if n > chunk]:
+        return (f"sent a message of {big[0]} bytes, more than the largest chunk ({chunk} "
+                f"bytes: ⌈{numel}/{world}⌉ elements). {ring}.")  # fmt: skip
+    if len(sent) > steps or (numel % world == 0 and len(sent) != steps):
+        return f"sent {len(sent)} messages. {ring}."
+    return None
+
+
+def _root_problem(rank: int, world: int, numel: int, sent, received) -> str | None:
+    size = numel * 4
+    root = (
+        "In the master-worker AllReduce every other rank sends its whole tensor to rank 0 once "
+        "and receives the sum from it once; rank 0 receives one tensor from each and sends the "
+        "sum to each: the sum is right, but it did not go through rank 0"
+    )
+    if rank == 0:
+        want = sorted((p, size) for p in range(1, world))
+        if sorted(received) != want:
+            got = _messages(received)
+            return f"(the root) received {got}, not one tensor from each other rank. {root}."
+        if sorted(sent) != want:
+            return f"(the root) sent {_messages(sent)}, not the sum to each other rank. {root}."
+        return None
+    if sorted(sent) != [(0, size)]:
+        return f"sent {_messages(sent)}, not its tensor ({size} bytes) to rank 0. {root}."
+    if sorted(received) != [(0, size)]:
+        return f"received {_messages(received)}, not the sum ({size} bytes) from rank 0. {root}."
+    return None
+
+
+def _messages(pairs) -> str:
+    if not pairs:
+        return "nothing"
+    shown = ", ".join(f"{n} B with rank {p}" for p, n in pairs[:4])
+    return f"{len(pairs)} message(s): {shown}{', …' if len(pairs) > 4 else ''}"
 
 
 def _made_of_failure(exc: CaseError, world: int) -> str | None:
@@ -392,25 +500,30 @@ def _made_of_failure(exc: CaseError, world: int) -> str | None:
 
 def check_all_reduce(fn, op: str = "sum", from_scratch: bool = True, world_sizes=WORLD_SIZES,
                      timeout: float = TIMEOUT_S, name: str | None = None,
-                     made_of=None) -> Report:  # fmt: skip
+                     made_of=None, pattern: str | None = None) -> Report:  # fmt: skip
     """Check an in-place AllReduce ``fn(tensor)`` (or ``fn(tensor, op=op)`` for op != "sum").
 
     ``made_of``: the collectives it must be built from, e.g. ``("reduce_scatter",
     "all_gather")``; each call must call every one of them (built-in or the kit's) and
-    no AllReduce."""
+    no AllReduce. ``pattern``: the messages it must send, as the lab teaches them:
+    ``"ring"`` (each rank only to its right neighbour and from its left, one chunk of about
+    S/N a step, 2(N−1) steps) or ``"root"`` (every other rank sends its tensor to rank 0
+    and gets the sum back from it)."""
     unknown = set(made_of or ()) - set(PARTS)
     if unknown:
         raise ValueError(f"made_of: unknown part(s) {sorted(unknown)}; known: {sorted(PARTS)}")
+    if pattern not in (None, "ring", "root"):
+        raise ValueError(f"pattern: 'ring', 'root' or None, got {pattern!r}")
 
-    def expected(world, rank, numel, salt, op):
-        return _truth(world, numel, salt, op), chunk_bounds(numel, world), "a tensor"
+    def expected(world, rank, numel, salt, op, seeds):
+        return _truth(world, numel, salt, op, seeds), chunk_bounds(numel, world), "a tensor"
 
-    def inputs(world, numel, salt):
-        return [_input(r, numel, salt) for r in range(world)]
+    def inputs(world, numel, salt, seeds):
+        return [_input(seeds[(r, salt)], numel, r, op) for r in range(world)]
 
     name = name or getattr(fn, "__name__", "all_reduce")
     return _check(name, fn, _run_all_reduce, expected, world_sizes, op, from_scratch, timeout,
-                  inputs, made_of)  # fmt: skip
+                  inputs, made_of, pattern)  # fmt: skip
 
 
 def check_reduce_scatter(fn, op: str = "sum", from_scratch: bool = True,
@@ -418,8 +531,8 @@ def check_reduce_scatter(fn, op: str = "sum", from_scratch: bool = True,
                          name: str | None = None) -> Report:  # fmt: skip
     """Check ``fn(output, input)``: output on rank r = op over ranks of chunk r of input."""
 
-    def expected(world, rank, per_rank, salt, op):
-        full = _truth(world, per_rank * world, salt, op)
+    def expected(world, rank, per_rank, salt, op, seeds):
+        full = _truth(world, per_rank * world, salt, op, seeds)
         return full[rank * per_rank : (rank + 1) * per_rank], [(0, per_rank)], "an output"
 
     name = name or getattr(fn, "__name__", "reduce_scatter")
@@ -430,8 +543,8 @@ def check_all_gather(fn, from_scratch: bool = True, world_sizes=WORLD_SIZES,
                      timeout: float = TIMEOUT_S, name: str | None = None) -> Report:  # fmt: skip
     """Check ``fn(output, input)``: output = every rank's input, concatenated in rank order."""
 
-    def expected(world, rank, per_rank, salt, op):
-        want = torch.cat([_input(r, per_rank, salt) for r in range(world)])
+    def expected(world, rank, per_rank, salt, op, seeds):
+        want = torch.cat([_input(seeds[(r, salt)], per_rank, r) for r in range(world)])
         return want, [(r * per_rank, (r + 1) * per_rank) for r in range(world)], "an output"
 
     name = name or getattr(fn, "__name__", "all_gather")

@@ -7,12 +7,11 @@ import json
 import math
 import os
 import re
-import sys
 
 from ..launcher import LaunchError, LaunchTimeoutError
-from . import sealed
+from . import answers, sealed
 from .report import Report
-from .traffic import run_recorded
+from .traffic import group_ops, run_recorded
 
 
 def human_bytes(n: float) -> str:
@@ -60,7 +59,9 @@ def report_failure(report: Report, what: str, exc: BaseException, timeout: float
                    explain=None) -> None:  # fmt: skip
     """One ✘ line for a launch that failed: unfinished, hung, crashed, or raised."""
     explain = explain or (lambda text: "")
-    if isinstance(exc, NotImplementedError):
+    if isinstance(exc, answers.AnswerRan):
+        report.fail(f"{what}: {exc}")
+    elif isinstance(exc, NotImplementedError):
         frames = re.findall(r", in (\w+)\n", str(exc.__cause__ or ""))
         where = f"{frames[-1]} still raises" if frames else "the function still raises"
         report.fail(f"{what}: not implemented yet ({where} NotImplementedError)")
@@ -130,11 +131,11 @@ class Unfinished(Exception):
 def call_or_report(report: Report, what: str, fn, *args, forbid=None):
     """Call a learner's single-process function; a crash becomes one ✘ line (and None),
     an unfinished exercise raises :class:`Unfinished` after its ✘ line (stop checking).
-    ``forbid``: the kit's own answer; the call fails (and checking stops) when its code
-    runs during the learner's call, under whatever name it was reached."""
+    ``forbid``: the kit's own answers (dotted names, ``answers.ANSWERS``); the call fails
+    (and checking stops) when their code runs during the learner's call, under whatever
+    name it was reached."""
     try:
-        with contextlib.ExitStack() as stack:
-            ran = stack.enter_context(executed(forbid)) if forbid is not None else []
+        with answers.running(forbid or ()) as ran:
             value = fn(*args)
     except NotImplementedError:
         report.fail(f"{what}: not implemented yet (still raises NotImplementedError)")
@@ -143,9 +144,7 @@ def call_or_report(report: Report, what: str, fn, *args, forbid=None):
         report.fail(f"{what}: raised {type(exc).__name__}: {exc}")
         return False, None
     if ran:
-        owner = forbid.__module__.replace("overlapkit.", "ok.")
-        report.fail(f"{what}: your function called {owner}.{forbid.__name__}, the kit's own "
-                    "answer (under whatever name): work it out yourself")  # fmt: skip
+        report.fail(f"{what}: your function {answers.said(ran)}")
         raise Unfinished
     return True, value
 
@@ -185,25 +184,6 @@ def recorded_calls(root, names, prefix: str = ""):
 
 
 @contextlib.contextmanager
-def executed(fn):
-    """Record each time ``fn``'s code runs in this thread, however it was reached (an alias,
-    ``from … import``): yields a list that grows by one per call (a sealed student function
-    called meanwhile watches for it on its own rank)."""
-    code, ran, before = fn.__code__, [], sys.getprofile()
-
-    def profile(frame, event, arg):
-        if event == "call" and frame.f_code is code:
-            ran.append(frame.f_code.co_name)
-
-    sys.setprofile(profile)
-    try:
-        with sealed.watching(("code", fn.__module__, fn.__qualname__), ran):
-            yield ran
-    finally:
-        sys.setprofile(before)
-
-
-@contextlib.contextmanager
 def builtin_collectives():
     """Record torch.distributed's collectives the learner ran, however reached: the calls of
     their names on ``torch.distributed`` and on ``distributed_c10d``, and then what torch's
@@ -216,7 +196,7 @@ def builtin_collectives():
     from .. import p2p  # noqa: PLC0415
 
     found = []
-    before, kit_before = _group_ops(), p2p.user_stream_ops()
+    before, kit_before = group_ops(), p2p.user_stream_ops()
     with (
         recorded_calls(dist, [n for n in _BUILTINS if hasattr(dist, n)],
                        prefix="torch.distributed.") as named,
@@ -226,25 +206,13 @@ def builtin_collectives():
         try:
             yield found
         finally:
-            after = _group_ops()
+            after = group_ops()
             ops = sum(n - before.get(g, 0) for g, n in after.items())
             unnamed = ops - (p2p.user_stream_ops() - kit_before) - len(named) - len(named_c10d)
             found += named + named_c10d
             if unnamed > 0:
                 found.append(f"{unnamed} more operation(s) on torch's process groups, not "
                              "through the kit (a group's own allreduce, send, …)")  # fmt: skip
-
-
-def _group_ops() -> dict:
-    """Each process group of torch's registry: how many operations it has run (its
-    sequence number; groups that keep none are left out)."""
-    import torch.distributed.distributed_c10d as c10d  # noqa: PLC0415
-
-    counts = {}
-    for group in list(getattr(getattr(c10d, "_world", None), "pg_map", {}) or {}):
-        with contextlib.suppress(Exception):
-            counts[id(group)] = int(group._get_sequence_number_for_group())
-    return counts
 
 
 def refused_rank(report: Report, what: str, rank: int, res: dict, traffic, advice: str) -> bool:

@@ -15,9 +15,11 @@ import torch
 
 from .. import handles
 from ..costmodel import ddp_buckets
+from . import answers
 from .collectives import CHECK_LINK
 from .common import Unfinished, call_or_report, run_or_report, worst_element
 from .report import Report
+from .traffic import shown
 
 STEPS = 5
 PER_RANK = 4
@@ -161,7 +163,7 @@ def _builtins(results) -> str | None:
         called = sorted({c for c in traffic.collectives if not c.startswith("ok.")} - {"broadcast"})
         if called:
             return (
-                f"rank {rank} called torch.distributed.{', torch.distributed.'.join(called)}: use "
+                f"rank {rank} called {', '.join(map(shown, called))}: use "
                 "ok.ring_all_reduce(..., async_op=True). The built-in's bytes bypass the emulated "
                 "link, so the overlap you will measure would not be there (and this check cannot "
                 "see when your AllReduces ran)"
@@ -429,7 +431,8 @@ def check_hook_ddp(wrapper_cls, world_size: int = WORLD, timeout: float = TIMEOU
     report = Report("hook_ddp")
     results = run_or_report(report, f"{wrapper_cls.__name__} on {world_size} ranks", _train,
                             wrapper_cls, (), world_size=world_size, timeout=timeout,
-                            link=CHECK_LINK, explain=_explain_race)  # fmt: skip
+                            link=CHECK_LINK, explain=_explain_race,
+                            forbid=answers.of("check_hook_ddp"))  # fmt: skip
     if results is None:
         _loop_hint(report)
         return report
@@ -508,7 +511,7 @@ def check_assign_buckets(assign_buckets) -> Report:
         want = ddp_buckets(sizes, mb)
         try:
             ran, got = call_or_report(report, what, assign_buckets, list(sizes), mb,
-                                      forbid=ddp_buckets)  # fmt: skip
+                                      forbid=answers.of("check_assign_buckets"))  # fmt: skip
         except Unfinished:
             return report
         if not ran:
@@ -608,7 +611,8 @@ def check_bucketed_ddp(wrapper_cls, bucket_mb: float = CHECK_BUCKET_MB, world_si
     results = run_or_report(report, f"{wrapper_cls.__name__}(bucket_mb={bucket_mb:.3g}) on "
                             f"{world_size} ranks", _train, wrapper_cls, (bucket_mb,),
                             world_size=world_size, timeout=timeout, link=CHECK_LINK,
-                            explain=_explain_race)  # fmt: skip
+                            explain=_explain_race,
+                            forbid=answers.of("check_bucketed_ddp"))  # fmt: skip
     if results is None:
         _loop_hint(report)
         return report

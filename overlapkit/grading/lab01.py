@@ -19,7 +19,8 @@ import threading
 import torch
 
 from ..costmodel import bytes_moved_per_rank
-from .common import executed, plain_number
+from . import answers
+from .common import plain_number
 from .report import Report
 from .traffic import COLLECTIVES, KIT_COLLECTIVES
 
@@ -256,7 +257,7 @@ def check_bytes_moved(bytes_moved) -> Report:
     for collective, nbytes, world in CASES:
         label = f"bytes_moved({collective!r}, {int(nbytes):,}, {world})"
         try:
-            with executed(bytes_moved_per_rank) as ran:
+            with answers.running(answers.of("check_bytes_moved")) as ran:
                 got = bytes_moved(collective, nbytes, world)
         except NotImplementedError:
             report.fail(
@@ -267,10 +268,7 @@ def check_bytes_moved(bytes_moved) -> Report:
             report.fail(f"{label} raised {type(exc).__name__}: {exc}")
             continue
         if ran:
-            report.fail(
-                f"{label}: your function called ok.costmodel.bytes_moved_per_rank, "
-                "the kit's own answer (under whatever name): count them yourself"
-            )
+            report.fail(f"{label}: your function {answers.said(ran)}")
             return report
         want = bytes_moved_per_rank(collective, nbytes, world)
         if plain_number(got) and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9):

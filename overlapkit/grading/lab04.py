@@ -17,8 +17,10 @@ import torch
 
 from .. import handles
 from ..sharded import flatten_padded, unflatten_into
+from . import answers
 from .common import plain_number, refused_rank, run_or_report, worst_element
 from .report import Report
+from .traffic import shown
 
 STEPS, LR, MOMENTUM = 10, 0.05, 0.9
 _RS, _AG = "ok.ring_reduce_scatter", "ok.ring_all_gather"
@@ -254,7 +256,7 @@ def _communication(report: Report, what: str, results, world: int) -> bool:
     nbytes = results[0][0]["n"] * world * 4  # S: the flat fp32 gradient
     rs = (world - 1) * nbytes // world
     for rank, (_, traffic) in enumerate(results):
-        builtin = [f"torch.distributed.{c}" for c in traffic.collectives if not c.startswith("ok.")]
+        builtin = [shown(c) for c in traffic.collectives if not c.startswith("ok.")]
         if refused_rank(report, what, rank, {"builtin": builtin}, traffic,
                         f"one step is {_RS} of the gradients and {_AG} of the updated "
                         "shards"):  # fmt: skip
@@ -318,7 +320,8 @@ def check_zero1_step(zero1_step, world_size: int = 3, timeout: float = 60.0) -> 
     report = Report("zero1_step")
     what = f"zero1_step on {world_size} ranks"
     results = run_or_report(report, what, _run, zero1_step, world_size=world_size,
-                            timeout=timeout, explain=_explain)  # fmt: skip
+                            timeout=timeout, explain=_explain,
+                            forbid=answers.of("check_zero1_step"))  # fmt: skip
     if results is None:
         return report
     values = [res for res, _ in results]
@@ -417,13 +420,17 @@ def check_memory_per_rank(memory_per_rank) -> Report:
     for n_params, world, optimizer, zero1 in MEMORY_CASES:
         label = f"memory_per_rank({n_params:,}, {world}, {optimizer!r}, zero1={zero1})"
         try:
-            got = memory_per_rank(n_params, world, optimizer, zero1)
+            with answers.running(answers.of("check_memory_per_rank")) as ran:
+                got = memory_per_rank(n_params, world, optimizer, zero1)
         except NotImplementedError:
             report.fail(f"{label}: not implemented yet (still raises NotImplementedError)")
             return report
         except Exception as exc:  # noqa: BLE001 - a crash is one ✘ line
             report.fail(f"{label} raised {type(exc).__name__}: {exc}")
             continue
+        if ran:
+            report.fail(f"{label}: your function {answers.said(ran)}")
+            return report
         want = memory_reference(n_params, world, optimizer, zero1)
         if not isinstance(got, dict) or set(_KEYS) - set(got):
             report.fail(

@@ -30,9 +30,12 @@ import time
 import cloudpickle
 import torch
 
+from .. import handles
 from ..p2p import Link
+from . import answers
 from .common import run_or_report
 from .report import Report
+from .traffic import shown
 
 #: the link of the check: 100 µs, 0.25 GB/s (this machine keeps up with it)
 LINK = Link(latency_us=100, bandwidth_gbps=0.25)
@@ -115,6 +118,8 @@ class _Call:
         self.polls: list[float] = []  # when is_completed() was called
         self.polled_done: float | None = None  # when is_completed() first said True
         self.handle = None
+        self.on_grad = False  # its tensor was the exercise's grad (see _same_tensor)
+        self.issued_op = 0  # kit ops it issued (one: the probe counts the others)
 
     @contextlib.contextmanager
     def span(self, name: str, lane: str = "comm", forward=None):
@@ -145,10 +150,13 @@ class _Probe:
     """Wraps ``ok.ring_all_reduce`` (over the traffic recorder) to time each call and
     its handle's ``wait()``."""
 
-    def __init__(self):
+    def __init__(self, grad=None):
         self.calls: list[_Call] = []
+        self.grad = grad  # the exercise's tensor: the AllReduce that overlaps must be its own
 
     def wrap(self, original):
+        from .. import collectives
+
         probe = self
 
         @functools.wraps(original)
@@ -156,12 +164,18 @@ class _Probe:
             # positional order: tensor, op, group, async_op, check, timeline
             async_op = bool(kwargs.get("async_op", args[2] if len(args) > 2 else False))
             call = _Call(async_op)
+            call.on_grad = _same_tensor(tensor, probe.grad)
             probe.calls.append(call)
             if len(args) < 5:
                 theirs = kwargs.get("timeline")
                 recorder = _Recorder(call, theirs)
                 kwargs["timeline"] = recorder
+            executor = collectives._executor(
+                kwargs.get("group", args[1] if len(args) > 1 else None)
+            )
+            before = executor.collectives_issued
             result = original(tensor, *args, **kwargs)
+            call.issued_op = executor.collectives_issued - before
             call.returned = _now()  # on a loaded machine, well after the issue began
             if result is not None:
                 call.handle = result
@@ -188,6 +202,14 @@ class _Probe:
                 module.ring_all_reduce = original
 
 
+def _same_tensor(tensor, grad) -> bool:
+    """``tensor`` is ``grad`` itself or a view of all of it (not a copy, not a part)."""
+    return (
+        isinstance(tensor, torch.Tensor) and isinstance(grad, torch.Tensor)
+        and tensor.data_ptr() == grad.data_ptr() and tensor.numel() == grad.numel()
+    )  # fmt: skip
+
+
 class _Recorder:
     """Passed as ``timeline=`` to the kit's ring: it only calls ``.span(name, lane)``."""
 
@@ -200,17 +222,16 @@ class _Recorder:
 
 def _watch_wait(handle, call: _Call) -> None:
     """Note when ``handle.wait()`` is called and returns (also through Timeline.track)."""
-    original = handle.wait
 
-    @functools.wraps(original)
-    def wait(*args, **kwargs):
+    def wait(inner, timeout=None):
         call.waits.append(_now())
         try:
-            return original(*args, **kwargs)
+            return inner(timeout)
         finally:
             call.waited.append(_now())
 
-    handle.wait = wait
+    # seen however the learner waits (handle.wait(), type(handle).wait(handle))
+    handles.wrap_wait(handle, wait)
     polled = handle.is_completed
 
     @functools.wraps(polled)
@@ -270,8 +291,8 @@ def _run(fn_bytes: bytes, timed: bool, compute_s: float, hold_s: float):
     me, world = ok.rank(), ok.world_size()
     # the communication worker starts with the first async op (a few ms): not in the step
     ok.collectives.ring_all_reduce(torch.zeros(world), async_op=True).wait()
-    probe = _Probe()
     grad = _gradient(me)
+    probe = _Probe(grad)
     mine = grad.clone()
     total = sum(_gradient(r) for r in range(world))
 
@@ -288,9 +309,14 @@ def _run(fn_bytes: bytes, timed: bool, compute_s: float, hold_s: float):
         fn = cloudpickle.loads(fn_bytes)
         # the ranks start the step together (a late peer would stretch the AllReduce)
         align(torch.zeros(world))
+        # every kit op on the world's group is issued through its executor: ops the probe
+        # did not see ran under another name (an alias, another module's import)
+        executor = ok.collectives._executor(None)
+        issued = executor.collectives_issued
         t0 = _now()
         out = fn(grad, compute, timeline) if timed else fn(grad, compute)
         returned = _now()
+        unprobed = executor.collectives_issued - issued - sum(c.issued_op for c in probe.calls)
 
     def rel(t):
         return None if t is None else t - t0
@@ -309,6 +335,7 @@ def _run(fn_bytes: bytes, timed: bool, compute_s: float, hold_s: float):
             # the first thing that waited for the op was a loop on is_completed()
             "polled": bool(c.polls) and (not c.waits or c.polls[0] < c.waits[0]),
             "handle": c.handle is not None,
+            "on_grad": c.on_grad,
             "site": getattr(c.handle, "site", "?"),
             "running_at_return": c.handle is not None and not type(c.handle).is_completed(c.handle),
         }
@@ -334,6 +361,7 @@ def _run(fn_bytes: bytes, timed: bool, compute_s: float, hold_s: float):
         "returned": _describe_returned(out, grad, compute),
         "grad": _grad_problem(grad, mine, total, world),
         "unwaited": unwaited,
+        "unprobed": unprobed,
         "spans": _spans_of(timeline, t0) if timed else None,
     }
 
@@ -366,9 +394,7 @@ def _builtin_problem(rank: int, traffic) -> str | None:
     builtins = sorted({c for c in traffic.collectives if not c.startswith("ok.")})
     builtins += sorted(set(traffic.direct))
     if builtins:
-        called = ", ".join(
-            name if name.startswith("torch.") else f"torch.distributed.{name}" for name in builtins
-        )
+        called = ", ".join(shown(name) for name in builtins)
         return (
             f"rank {rank} called {called}: use the kit's op, handle = ok.ring_all_reduce(grad, "
             "async_op=True). The built-in's bytes bypass the emulated link (and the kit's "
@@ -405,7 +431,22 @@ def _handle_case(report: Report, results, name: str) -> None:
                 "gradient once (a second AllReduce sums the sums again)"
             )
             return
+        if seen["unprobed"] > 0:
+            report.fail(
+                f"rank {rank} ran {seen['unprobed']} kit collective(s) besides its "
+                "ok.ring_all_reduce call, under another name (another module's import of it, "
+                "an alias): all-reduce the gradient once, with handle = "
+                "ok.ring_all_reduce(grad, async_op=True)"
+            )
+            return
         call = calls[0]
+        if not call["on_grad"]:
+            report.fail(
+                f"rank {rank} started ok.ring_all_reduce on a tensor that is not grad (a copy, "
+                "a part of it, or another tensor): the AllReduce to overlap is the gradient's "
+                "own, ok.ring_all_reduce(grad, async_op=True), in place"
+            )
+            return
         if not call["async"]:
             report.fail(
                 f"rank {rank} called ok.ring_all_reduce without async_op=True: it blocked "
@@ -678,9 +719,12 @@ def _check(name: str, fn, timed: bool, timeout: float, compute_s: float) -> Repo
     report = Report(name)
     from ..launcher import dumps_keeping_filenames  # noqa: PLC0415
 
+    # the kit's answers are watched in the untimed check: a watch slows each Python call
+    forbid = () if timed else answers.of("check_overlapped_step")
     results = run_or_report(report, f"{name} on {WORLD} ranks", _run, dumps_keeping_filenames(fn),
                             timed, compute_s, timeout / 3, world_size=WORLD, timeout=timeout,
-                            link=LINK, explain=_explain)  # fmt: skip
+                            link=LINK, explain=_explain,
+                            forbid=forbid)  # fmt: skip
     if results is None:
         return report
     _handle_case(report, results, name)

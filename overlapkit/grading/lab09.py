@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import secrets
 
 import torch
 
 from .. import handles
+from . import answers
 from .collectives import CHECK_LINK
 from .common import (
     PeersReturned,
@@ -26,9 +28,11 @@ _KIT_REDUCTIONS = ("ring_all_reduce", "naive_all_reduce", "bucketed_all_reduce")
 _SKIPPED = "not reached: the check stops at its first failure (above)"
 
 
-def _model(rank: int) -> torch.nn.Module:
-    """The same architecture on every rank, different values (as after local steps)."""
-    torch.manual_seed(100 + rank)
+def _model(rank: int, seed: int) -> torch.nn.Module:
+    """The same architecture on every rank, different values (as after local steps):
+    ``seed`` is the rank's own, drawn by the checking process and sent to it alone, so no
+    rank can rebuild another's model and skip the communication."""
+    torch.manual_seed(seed)
     model = torch.nn.Sequential(
         torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2, bias=False)
     )
@@ -151,15 +155,13 @@ def _recorded_reductions(ok, model, optimizer=None, *, finished: str, advice: st
 # --------------------------------------------------------------------------- what: the mean
 
 
-def _run(average_parameters):
+def _run(average_parameters, seed: int = 0):
     import overlapkit as ok  # noqa: PLC0415
 
-    me, world = ok.rank(), ok.world_size()
-    model = _model(me)
+    me = ok.rank()
+    model = _model(me, seed)
     before = [p for p in model.parameters()]
     own = [p.detach().clone() for p in before]
-    everyone = [list(_model(r).parameters()) for r in range(world)]
-    want = [sum(ps[i].detach() for ps in everyone) / world for i in range(len(before))]
     with (
         _recorded_reductions(
             ok, model, finished="returned from average_parameters", advice="every rank averages"
@@ -172,8 +174,6 @@ def _run(average_parameters):
     return {
         "same objects": all(a is b for a, b in zip(before, after, strict=True)),
         "values": [p.detach().clone() for p in after],
-        "want": want,
-        "sums": [w * world for w in want],
         "own": own,
         "grads": [None if p.grad is None else p.grad.clone() for p in after],
         "grad_want": float(me + 1),
@@ -184,6 +184,20 @@ def _run(average_parameters):
         "never waited": unwaited,
         "returned": result is not None and not isinstance(result, torch.nn.Module),
     }
+
+
+def _add_wants(results, seeds: list[int], k: int | None) -> None:
+    """Put into each rank's result what it should hold (from every rank's seed)."""
+    if k is None:
+        everyone = [list(_model(r, s).parameters()) for r, s in enumerate(seeds)]
+        want = [sum(ps[i].detach() for ps in everyone) / len(seeds)
+                for i in range(len(everyone[0]))]  # fmt: skip
+        for res, _ in results:
+            res["want"], res["sums"] = want, [w * len(seeds) for w in want]
+        return
+    wants, unzeroed = _reference(seeds, k), _reference(seeds, k, zero_grad=False)
+    for rank, (res, _) in enumerate(results):
+        res["want"], res["unzeroed"] = wants[rank], unzeroed[rank]
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -223,8 +237,15 @@ def check_average_parameters(average_parameters, local_sgd_step=None,
             passed = (f"each rank followed its own batches, and after steps "
                       f"{', '.join(map(str, _steps(k)))} (and only then) every rank held the "
                       "mean of the ranks' models")  # fmt: skip
+        # each rank's values come from a seed of its own, drawn here and sent to it alone;
+        # what they should come to is worked out here, where every seed is known
+        seeds = [secrets.randbits(40) for _ in range(world)]
         results = run_or_report(report, what, run, *args, world_size=world, timeout=timeout,
-                                link=CHECK_LINK, explain=_explain)  # fmt: skip
+                                link=CHECK_LINK, explain=_explain,
+                                rank_kwargs=[{"seed": s} for s in seeds],
+                                forbid=answers.of("check_average_parameters"))  # fmt: skip
+        if results is not None:
+            _add_wants(results, seeds, k)
         if results is None or not judge(report, what, results, world if k is None else k):
             for later, _, _ in cases[n + 1 :]:
                 report.fail(f"{later}: {_SKIPPED}")
@@ -376,8 +397,9 @@ class _SGD:
 BATCH = 6  # samples (and targets) per batch
 
 
-def _batch(rank: int, step: int):
-    gen = torch.Generator().manual_seed(1000 * rank + step)
+def _batch(seed: int, step: int):
+    """A rank's batch of ``step``; ``seed`` is the rank's own (see :func:`_model`)."""
+    gen = torch.Generator().manual_seed(seed + step)
     return torch.randn(BATCH, 3, generator=gen), torch.randn(BATCH, 1, generator=gen)
 
 
@@ -385,15 +407,16 @@ def _flat(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def _reference(world: int, k: int, zero_grad: bool = True) -> list[list[torch.Tensor]]:
-    """Local SGD on ``world`` simulated ranks: [rank][step − 1] -> flat parameters."""
+def _reference(seeds: list[int], k: int, zero_grad: bool = True) -> list[list[torch.Tensor]]:
+    """Local SGD on ``len(seeds)`` simulated ranks: [rank][step − 1] -> flat parameters."""
+    world = len(seeds)
     models = [_sgd_model() for _ in range(world)]
     out: list[list[torch.Tensor]] = [[] for _ in range(world)]
     for step in range(1, STEPS + 1):
         for rank, model in enumerate(models):
             if zero_grad:
                 model.zero_grad(set_to_none=True)
-            x, y = _batch(rank, step)
+            x, y = _batch(seeds[rank], step)
             torch.nn.functional.mse_loss(model(x), y).backward()
             with torch.no_grad():
                 for p in model.parameters():
@@ -409,10 +432,9 @@ def _reference(world: int, k: int, zero_grad: bool = True) -> list[list[torch.Te
     return out
 
 
-def _run_local_sgd(local_sgd_step, k: int):
+def _run_local_sgd(local_sgd_step, k: int, seed: int = 0):
     import overlapkit as ok  # noqa: PLC0415
 
-    me, world = ok.rank(), ok.world_size()
     model = _sgd_model()
     optimizer = _SGD(model.parameters(), lr=LR)
     after, events, at = [], [], [0]
@@ -424,14 +446,12 @@ def _run_local_sgd(local_sgd_step, k: int):
     ):  # fmt: skip
         for step in range(1, STEPS + 1):
             at[0], start = step, len(called)
-            local_sgd_step(model, optimizer, _batch(me, step), step, k)
+            local_sgd_step(model, optimizer, _batch(seed, step), step, k)
             events.append(list(called[start:]))
             after.append(_flat(model))
     return {
         "after": after,
         "events": events,
-        "want": _reference(world, k)[me],
-        "unzeroed": _reference(world, k, zero_grad=False)[me],
         "builtin": builtin,
         "never waited": handles.take_unwaited(),
     }

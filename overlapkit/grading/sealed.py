@@ -53,8 +53,9 @@ class Sealed:
 def watching(what: tuple, seen: list):
     """While the block runs, a :class:`Sealed` call also watches ``what`` on its rank and
     appends what it saw to ``seen``. ``what``: ``("attr", module, names, prefix)`` (calls of
-    those attributes, as ``common.recorded_calls`` records them) or ``("code", module,
-    qualname)`` (each time that function's code runs, under whatever name)."""
+    those attributes, as ``common.recorded_calls`` records them) or ``("answers", names)``
+    (each time the code of one of the kit's answers ``names`` starts, under whatever name:
+    ``answers.running``)."""
     _watching.append((what, seen))
     try:
         yield seen
@@ -105,7 +106,8 @@ def _as_lists(seen, n: int) -> list[list]:
 def _call_on_rank(fn_bytes: bytes, args_bytes: bytes, watch: list):
     """On the rank: start watching, then unpickle the student's function (so a name it
     imported is the watched one) and call it; returns (value, what each watch saw)."""
-    from .common import executed, recorded_calls  # noqa: PLC0415
+    from . import answers  # noqa: PLC0415
+    from .common import recorded_calls  # noqa: PLC0415
 
     with contextlib.ExitStack() as stack:
         seen = []
@@ -115,11 +117,7 @@ def _call_on_rank(fn_bytes: bytes, args_bytes: bytes, watch: list):
                 root = importlib.import_module(module)
                 seen.append(stack.enter_context(recorded_calls(root, names, prefix)))
             else:
-                _, module, qualname = what
-                obj = importlib.import_module(module)
-                for part in qualname.split("."):
-                    obj = getattr(obj, part)
-                seen.append(stack.enter_context(executed(obj)))
+                seen.append(stack.enter_context(answers.running(what[1])))
         fn = cloudpickle.loads(fn_bytes)
         args, kwargs = cloudpickle.loads(args_bytes)
         value = fn(*args, **kwargs)

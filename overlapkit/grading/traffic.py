@@ -23,6 +23,7 @@ import torch.distributed.distributed_c10d as c10d
 from .. import p2p
 from ..inflight import debug_races
 from ..launcher import hide_frames_from
+from . import answers
 
 P2P = ("send", "recv", "isend", "irecv")
 COLLECTIVES = (
@@ -87,6 +88,15 @@ _kit_call = threading.local()  # set while an ok.p2p call runs: its inner dist c
 _timing = threading.local()  # set while a timed point-to-point call runs
 
 
+_current: list[Traffic] = []  # the recordings running in this process, innermost last
+
+
+def current() -> Traffic | None:
+    """The innermost :func:`recording` running in this process (a check's runner reads the
+    messages of each case from it), or None."""
+    return _current[-1] if _current else None
+
+
 @contextlib.contextmanager
 def recording(kit_collectives_are_builtins: bool = True):
     """Patch torch.distributed and ok.p2p in this process; yields the :class:`Traffic` it fills.
@@ -97,6 +107,7 @@ def recording(kit_collectives_are_builtins: bool = True):
     ``kit_collectives_are_builtins=False``: then the messages it sends count.
     """
     traffic = Traffic()
+    _current.append(traffic)
 
     def note(name, args, kwargs):
         if name in ("send", "isend"):
@@ -180,11 +191,41 @@ def recording(kit_collectives_are_builtins: bool = True):
         for module in (collectives, overlapkit):
             patched.append((module, name, getattr(module, name)))
             setattr(module, name, wrapped)
+    before, kit_before = group_ops(), p2p.user_stream_ops()
     try:
         yield traffic
     finally:
+        _current.remove(traffic)
         for module, name, original in reversed(patched):
             setattr(module, name, original)
+        # what torch's groups counted beyond the calls seen by name: a group's own
+        # allreduce, torch.ops.c10d, … (each named call and each kit message counts one)
+        ops = sum(n - before.get(g, 0) for g, n in group_ops().items())
+        named = sum(1 for c in traffic.collectives if not c.startswith("ok.")) + len(traffic.direct)
+        unnamed = ops - (p2p.user_stream_ops() - kit_before) - named
+        if unnamed > 0:
+            traffic.collectives.append(UNNAMED.format(unnamed))
+
+
+#: how :func:`recording` lists operations torch's process groups ran that no name saw
+UNNAMED = "{} operation(s) straight on torch's process groups (a group's own allreduce, send, …)"
+
+
+def shown(name: str) -> str:
+    """A name of :attr:`Traffic.collectives` as a learner reads it: torch's own with their
+    module (``torch.distributed.all_reduce``), the kit's and the unnamed as they are."""
+    return name if name.startswith(("ok.", "torch")) or " " in name else f"torch.distributed.{name}"
+
+
+def group_ops() -> dict:
+    """Each process group of torch's registry: how many operations it has run (its
+    sequence number; groups that keep none are left out). The kit's own groups are not
+    in the registry."""
+    counts = {}
+    for group in list(getattr(getattr(c10d, "_world", None), "pg_map", {}) or {}):
+        with contextlib.suppress(Exception):
+            counts[id(group)] = int(group._get_sequence_number_for_group())
+    return counts
 
 
 def _timed_wait(wait, entry):
@@ -211,23 +252,41 @@ class _TimedWait:
         return getattr(self._handle, name)
 
 
-def _recorded(fn_bytes: bytes, args_bytes: bytes):
+def _recorded(fn_bytes: bytes, args_bytes: bytes, forbid: tuple = (), **mine):
     # checks run with the read guard on: a tensor read before its operation's wait()
     # holds NaN every time, so a race fails the check every run, not one run in ten
-    with recording() as traffic, debug_races():
+    # the answers are looked up before the recorder replaces any of them
+    with answers.running(forbid) as ran, recording() as traffic, debug_races():
         # loaded after patching, the function and its arguments alike (a check's runner
         # gets the learner's function as an argument): see the module docstring
         fn = cloudpickle.loads(fn_bytes)
         args, kwargs = cloudpickle.loads(args_bytes)
-        value = fn(*args, **kwargs)
+        try:
+            value = fn(*args, **kwargs, **mine)
+        except Exception as exc:
+            if ran:  # the answer's own error says less than that it ran
+                raise answers.AnswerRan.on(_rank(), list(ran)) from exc
+            raise
+    if ran:
+        raise answers.AnswerRan.on(_rank(), list(ran))
     return value, traffic
+
+
+def _rank() -> int:
+    import torch.distributed as dist  # noqa: PLC0415
+
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 hide_frames_from(__file__)
 
 
-def run_recorded(fn, *args, world_size: int, timeout: float, link=None, **kwargs):
+def run_recorded(fn, *args, world_size: int, timeout: float, link=None, forbid=(),
+                 rank_kwargs=None, **kwargs):  # fmt: skip
     """``ok.launch`` ``fn`` with traffic recording; returns [(value, Traffic)] by rank.
+    ``forbid``: the kit's answers (``answers.ANSWERS``) whose code must not run meanwhile:
+    if it does, the rank raises :class:`answers.AnswerRan`. ``rank_kwargs``: per rank, more
+    keyword arguments of ``fn`` that only that rank gets (``ok.launch``'s).
     ``link``: an ``ok.Link`` for the run's ok.p2p messages (checks use one that costs
     nothing, for its headers: a send and a receive that disagree are an error there,
     not a crash of the process)."""
@@ -238,8 +297,10 @@ def run_recorded(fn, *args, world_size: int, timeout: float, link=None, **kwargs
         _recorded,
         dumps_keeping_filenames(fn),
         dumps_keeping_filenames((args, kwargs)),
+        tuple(forbid),
         world_size=world_size,
         timeout=timeout,
         quiet=True,
         link=link,
+        rank_kwargs=rank_kwargs,
     )

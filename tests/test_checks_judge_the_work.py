@@ -1,0 +1,388 @@
+"""The checks judge the work, not its name: a student who reads the kit's source finds no
+way to ✔ without doing the exercise (issue 21's classes of bypass, each with a twin, so
+that a fix by name fails the other spelling)."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+import overlapkit as ok
+from overlapkit.grading import answers
+
+pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
+
+
+def _failed_with(report, *words):
+    assert not report.all_passed, report.cases
+    text = " ".join(m for passed, m in report.cases if not passed)
+    for word in words:
+        assert word in text, text
+
+
+# --------------------------------------------------------------------------- honest work
+
+
+def ring(tensor):
+    """The lab 03 ring, as a learner writes it."""
+    me, world = ok.rank(), ok.world_size()
+    flat = tensor.view(-1)
+    bounds = ok.collectives.chunk_bounds(flat.numel(), world)
+    left, right = (me - 1) % world, (me + 1) % world
+
+    def step(send, recv, into):
+        handles = []
+        if send[1] > send[0]:
+            handles.append(ok.p2p.isend(flat[send[0] : send[1]], right))
+        if recv[1] > recv[0]:
+            handles.append(ok.p2p.irecv(into, left))
+        for h in handles:
+            h.wait()
+
+    for k in range(world - 1):
+        send, recv = bounds[(me - k - 1) % world], bounds[(me - k - 2) % world]
+        tmp = torch.empty(recv[1] - recv[0])
+        step(send, recv, tmp)
+        flat[recv[0] : recv[1]] += tmp
+    for k in range(world - 1):
+        send, recv = bounds[(me - k) % world], bounds[(me - k - 1) % world]
+        step(send, recv, flat[recv[0] : recv[1]])
+
+
+def through_root(tensor):
+    """The lab 02 master-worker AllReduce."""
+    me, world = ok.rank(), ok.world_size()
+    if me == 0:
+        bufs = [torch.empty_like(tensor) for _ in range(world - 1)]
+        for h in [ok.p2p.irecv(b, src) for src, b in enumerate(bufs, start=1)]:
+            h.wait()
+        for b in bufs:
+            tensor += b
+        for h in [ok.p2p.isend(tensor, dst) for dst in range(1, world)]:
+            h.wait()
+    elif world > 1:
+        ok.p2p.send(tensor, 0)
+        ok.p2p.recv(tensor, 0)
+
+
+def test_an_honest_ring_and_an_honest_root_pass_with_their_patterns():
+    assert ok.grading.check_all_reduce(ring, pattern="ring").all_passed
+    assert ok.grading.check_all_reduce(through_root, pattern="root").all_passed
+
+
+# --------------------------------------------------------------------------- 1. the answer
+# under another name: recognised by its code running
+
+
+def ring_through_another_module(tensor):
+    ok.ddp.ring_all_reduce(tensor)  # ok.ddp imported the kit's collective by name
+
+
+def ring_from_a_default(tensor, _kit=ok.collectives.ring_all_reduce):
+    _kit(tensor)
+
+
+@pytest.mark.parametrize("fn", [ring_through_another_module, ring_from_a_default])
+def test_the_kits_collective_under_another_name_fails_the_ring(fn):
+    _failed_with(ok.grading.check_all_reduce(fn, pattern="ring", world_sizes=(2,)),
+                 "the kit's own answer")  # fmt: skip
+
+
+class SubclassedDDP(ok.OverlapDDP):
+    pass
+
+
+class ComposedDDP(torch.nn.Module):
+    def __init__(self, module):
+        super().__init__()
+        self.inner = ok.BucketedDDP(module, bucket_mb=None)
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+    def finish_gradient_synchronization(self):
+        return self.inner.finish_gradient_synchronization()
+
+
+@pytest.mark.parametrize("cls", [SubclassedDDP, ComposedDDP])
+def test_the_kits_ddp_subclassed_or_wrapped_fails_the_hook_ddp_check(cls):
+    _failed_with(ok.grading.check_hook_ddp(cls), "the kit's own answer", "ok.ddp.")
+
+
+def fit_by_import(sizes, times):
+    return importlib.import_module("overlapkit.costmodel").fit_alpha_beta(sizes, times)
+
+
+def fit_through_a_wrapper(sizes, times):
+    @functools.wraps(ok.costmodel.fit_alpha_beta)
+    def mine(*args):
+        return mine.__wrapped__(*args)
+
+    return mine(sizes, times)
+
+
+@pytest.mark.parametrize("fn", [fit_by_import, fit_through_a_wrapper])
+def test_the_kits_fit_reached_any_way_fails_lab00(fn):
+    _failed_with(ok.grading.check_fit_alpha_beta(fn), "ok.costmodel.fit_alpha_beta")
+
+
+def bytes_from_the_time_model(collective, nbytes, world):
+    # a time model with α = 0, β = 1 s/B counts bytes
+    return getattr(ok.costmodel, "ring_" + collective)(nbytes, world, 0.0, 1.0)
+
+
+def bytes_from_the_kits_count(collective, nbytes, world):
+    from overlapkit.costmodel import bytes_moved_per_rank as count
+
+    return count(collective, nbytes, world)
+
+
+@pytest.mark.parametrize("fn", [bytes_from_the_time_model, bytes_from_the_kits_count])
+def test_the_kits_formulas_fail_lab01s_byte_count(fn):
+    _failed_with(ok.grading.check_bytes_moved(fn), "the kit's own answer")
+
+
+def buckets_from_a_default(sizes, bucket_mb, _kit=ok.costmodel.ddp_buckets):
+    return _kit(sizes, bucket_mb)
+
+
+def buckets_from_the_kits_ddp(sizes, bucket_mb):
+    return ok.costmodel.ddp_step.__globals__["ddp_buckets"](sizes, bucket_mb)
+
+
+@pytest.mark.parametrize("fn", [buckets_from_a_default, buckets_from_the_kits_ddp])
+def test_the_kits_bucket_assignment_fails_lab07(fn):
+    _failed_with(ok.grading.check_assign_buckets(fn), "ok.costmodel.ddp_buckets")
+
+
+def test_each_checks_answers_name_real_code_and_a_learner_cannot_stop_the_watch():
+    for check, names in answers.ANSWERS.items():
+        assert answers.code_objects(names), check
+    with answers.running(answers.of("check_fit_alpha_beta")) as ran:
+        import sys
+
+        sys.setprofile(None)  # what a student who read this module might try
+    assert answers.TAMPERED in ran
+    assert "profiler" in answers.said(ran)
+
+
+# --------------------------------------------------------------------------- 2. built-ins
+# by another door: what torch's process groups ran, not the names called
+
+
+def ring_on_the_group_itself(tensor):
+    c10d._get_default_group().allreduce([tensor]).wait()
+
+
+def ring_through_distributed_c10d(tensor):
+    c10d.all_reduce(tensor)
+
+
+@pytest.mark.parametrize("fn", [ring_on_the_group_itself, ring_through_distributed_c10d])
+def test_a_built_in_through_any_door_fails_the_from_scratch_ring(fn):
+    _failed_with(ok.grading.check_all_reduce(fn, pattern="ring", world_sizes=(2,)),
+                 "build it from send/recv")  # fmt: skip
+
+
+def step_on_the_group_itself(grad, compute):
+    work = c10d._get_default_group().allreduce([grad])
+    out = compute()
+    work.wait()
+    return out
+
+
+def step_through_distributed_c10d(grad, compute):
+    work = c10d.all_reduce(grad, async_op=True)
+    out = compute()
+    work.wait()
+    return out
+
+
+@pytest.mark.parametrize("fn", [step_on_the_group_itself, step_through_distributed_c10d])
+def test_a_built_in_through_any_door_fails_lab05(fn):
+    _failed_with(ok.grading.check_overlapped_step(fn), "use the kit's op")
+
+
+# --------------------------------------------------------------------------- 3. the pattern
+# is part of the answer, and no rank can rebuild another's input
+
+
+def everyone_swaps_whole_tensors(tensor):
+    me, world = ok.rank(), ok.world_size()
+    bufs = {r: torch.empty_like(tensor) for r in range(world) if r != me}
+    handles = [ok.p2p.irecv(b, r) for r, b in bufs.items()]
+    handles += [ok.p2p.isend(tensor.clone(), r) for r in bufs]
+    for h in handles:
+        h.wait()
+    for b in bufs.values():
+        tensor += b
+
+
+def ring_of_whole_tensors(tensor):
+    """Passes each rank's whole input round the ring, N − 1 times: right sum, neighbours
+    only, but no chunks."""
+    me, world = ok.rank(), ok.world_size()
+    moving, total = tensor.clone(), tensor.clone()
+    for _ in range(world - 1):
+        got = torch.empty_like(tensor)
+        hs = [ok.p2p.isend(moving, (me + 1) % world), ok.p2p.irecv(got, (me - 1) % world)]
+        for h in hs:
+            h.wait()
+        total += got
+        moving = got
+    tensor.copy_(total)
+
+
+@pytest.mark.parametrize("fn,words", [
+    (everyone_swaps_whole_tensors, "sent to rank"),
+    (ring_of_whole_tensors, "more than the largest chunk"),
+])  # fmt: skip
+def test_the_right_sum_by_the_wrong_messages_fails_the_ring(fn, words):
+    _failed_with(ok.grading.check_all_reduce(fn, pattern="ring", world_sizes=(3,)),
+                 words, "did not travel round the ring")  # fmt: skip
+
+
+@pytest.mark.parametrize("fn", [everyone_swaps_whole_tensors, ring])
+def test_the_right_sum_by_the_wrong_messages_fails_the_root_pattern(fn):
+    _failed_with(ok.grading.check_all_reduce(fn, pattern="root", world_sizes=(3,)),
+                 "did not go through rank 0")  # fmt: skip
+
+
+def rebuilds_every_input_with_the_old_seeds(tensor):
+    """What passed before the seeds were drawn per run: rebuild the check's inputs
+    (the old recipe: seed 1000·case + rank) and sum them, with no message at all."""
+    from overlapkit.grading.collectives import _sizes
+
+    me, world = ok.rank(), ok.world_size()
+    salt = _sizes(world).index(tensor.numel())
+    parts = []
+    for r in range(world):
+        g = torch.Generator().manual_seed(1000 * salt + r)
+        parts.append(torch.randint(-9, 10, (tensor.numel(),), generator=g).float())
+    del me
+    tensor.copy_(sum(parts))
+
+
+def rebuilds_every_input_from_the_callers_frame(tensor):
+    """Reads the seeds from the check's own frame on this rank: only this rank's are
+    there, so all it can rebuild is its own input."""
+    import inspect
+
+    from overlapkit.grading.collectives import _input, _sizes
+
+    seeds = next(f.frame.f_locals["seeds"] for f in inspect.stack() if "seeds" in f.frame.f_locals)
+    salt = _sizes(ok.world_size()).index(tensor.numel())
+    mine = _input(seeds[salt], tensor.numel(), ok.rank())
+    tensor.copy_(mine * ok.world_size())
+
+
+@pytest.mark.parametrize("fn", [rebuilds_every_input_with_the_old_seeds,
+                                rebuilds_every_input_from_the_callers_frame])  # fmt: skip
+def test_no_rank_can_rebuild_the_other_ranks_inputs(fn):
+    report = ok.grading.check_all_reduce(fn, pattern="ring", world_sizes=(2,))
+    _failed_with(report, "differs first at element")
+
+
+def average_by_rebuilding_every_model(model):
+    from overlapkit.grading.lab09 import _model
+
+    world = ok.world_size()
+    everyone = [list(_model(r, 100 + r).parameters()) for r in range(world)]
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.copy_(sum(ps[i] for ps in everyone) / world)
+
+
+def test_lab09s_models_cannot_be_rebuilt_on_a_rank():
+    _failed_with(ok.grading.check_average_parameters(average_by_rebuilding_every_model),
+                 "element")  # fmt: skip
+
+
+# --------------------------------------------------------------------------- 4. probes tied
+# to the exercise's own tensor and to the handle's class
+
+
+def decoy_on_zeros(grad, compute):
+    decoy = ok.ring_all_reduce(torch.zeros_like(grad), async_op=True)
+    out = compute()
+    decoy.wait()
+    ok.ddp.ring_all_reduce(grad)  # the real one, serially, under another module's name
+    return out
+
+
+def decoy_on_a_copy(grad, compute):
+    decoy = ok.ring_all_reduce(grad.clone(), async_op=True)
+    out = compute()
+    decoy.wait()
+    dist.all_reduce(grad)
+    return out
+
+
+@pytest.mark.parametrize("fn,words", [
+    (decoy_on_zeros, "under another name"),
+    (decoy_on_a_copy, "torch.distributed.all_reduce"),
+])  # fmt: skip
+def test_a_decoy_all_reduce_overlapped_then_the_real_one_serially_fails_lab05(fn, words):
+    _failed_with(ok.grading.check_overlapped_step(fn), words)
+
+
+def decoy_then_the_real_one_by_the_kits_name(grad, compute):
+    decoy = ok.ring_all_reduce(grad[:1], async_op=True)  # a part of grad, not grad
+    out = compute()
+    decoy.wait()
+    return out
+
+
+def test_an_all_reduce_of_a_part_of_grad_is_not_the_gradients_own():
+    _failed_with(ok.grading.check_overlapped_step(decoy_then_the_real_one_by_the_kits_name),
+                 "not grad")  # fmt: skip
+
+
+def serial_gpipe_waiting_through_the_class(stage, inputs, targets, micro_batches):
+    """Lab 08's GPipe step with every send waited at once (nothing overlaps), the waits
+    made through the handle's class rather than the instance."""
+    return _serial_gpipe(stage, inputs, targets, micro_batches, lambda h: type(h).wait(h))
+
+
+def serial_gpipe_waiting_through_the_base_class(stage, inputs, targets, micro_batches):
+    return _serial_gpipe(stage, inputs, targets, micro_batches,
+                         lambda h: ok.handles.Tracked.wait(h))  # fmt: skip
+
+
+def _serial_gpipe(stage, inputs, targets, micro_batches, wait):
+    """Rank 1 as the lab teaches it; rank 0 waits each activation's send before its next
+    forward, through ``wait``."""
+    if ok.rank() == 0:
+        outs = []
+        for x in torch.tensor_split(inputs, micro_batches):
+            out = stage(x)
+            wait(ok.p2p.isend(out.detach(), 1))
+            outs.append(out)
+        for out in outs:
+            grad = torch.empty_like(out)
+            ok.p2p.recv(grad, 1)
+            out.backward(grad)
+    else:
+        ys = torch.tensor_split(targets, micro_batches)
+        buffers = [torch.empty(len(y), 16) for y in ys]
+        receives = [ok.p2p.irecv(b, 0) for b in buffers]
+        sends = []
+        for buffer, handle, y in zip(buffers, receives, ys, strict=True):
+            handle.wait()
+            buffer.requires_grad_()
+            loss = torch.nn.functional.mse_loss(stage(buffer), y) * len(y) / len(targets)
+            loss.backward()
+            sends.append(ok.p2p.isend(buffer.grad, 0))
+        for handle in sends:
+            handle.wait()
+
+
+@pytest.mark.parametrize("fn", [serial_gpipe_waiting_through_the_class,
+                                serial_gpipe_waiting_through_the_base_class])  # fmt: skip
+def test_waits_through_the_handles_class_are_seen_by_lab08s_probe(fn):
+    _failed_with(ok.grading.check_gpipe_step(fn), "nothing overlaps")
