@@ -183,10 +183,12 @@ def ring_through_distributed_c10d(tensor):
     c10d.all_reduce(tensor)
 
 
-@pytest.mark.parametrize("fn", [ring_on_the_group_itself, ring_through_distributed_c10d])
-def test_a_built_in_through_any_door_fails_the_from_scratch_ring(fn):
-    _failed_with(ok.grading.check_all_reduce(fn, pattern="ring", world_sizes=(2,)),
-                 "build it from send/recv")  # fmt: skip
+@pytest.mark.parametrize("fn,words", [
+    (ring_on_the_group_itself, "ProcessGroup.allreduce (called on a process group directly)"),
+    (ring_through_distributed_c10d, "called all_reduce: build it from send/recv"),
+])  # fmt: skip
+def test_a_built_in_through_any_door_fails_the_from_scratch_ring(fn, words):
+    _failed_with(ok.grading.check_all_reduce(fn, pattern="ring", world_sizes=(2,)), words)
 
 
 def step_on_the_group_itself(grad, compute):
@@ -203,9 +205,12 @@ def step_through_distributed_c10d(grad, compute):
     return out
 
 
-@pytest.mark.parametrize("fn", [step_on_the_group_itself, step_through_distributed_c10d])
-def test_a_built_in_through_any_door_fails_lab05(fn):
-    _failed_with(ok.grading.check_overlapped_step(fn), "use the kit's op")
+@pytest.mark.parametrize("fn,words", [
+    (step_on_the_group_itself, "ProcessGroup.allreduce (called on a process group directly)"),
+    (step_through_distributed_c10d, "called torch.distributed.all_reduce: use the kit's op"),
+])  # fmt: skip
+def test_a_built_in_through_any_door_fails_lab05(fn, words):
+    _failed_with(ok.grading.check_overlapped_step(fn), words)
 
 
 # --------------------------------------------------------------------------- 3. the pattern
@@ -250,7 +255,7 @@ def test_the_right_sum_by_the_wrong_messages_fails_the_ring(fn, words):
 @pytest.mark.parametrize("fn", [everyone_swaps_whole_tensors, ring])
 def test_the_right_sum_by_the_wrong_messages_fails_the_root_pattern(fn):
     _failed_with(ok.grading.check_all_reduce(fn, pattern="root", world_sizes=(3,)),
-                 "did not go through rank 0")  # fmt: skip
+                 "master-worker AllReduce")  # fmt: skip
 
 
 def rebuilds_every_input_with_the_old_seeds(tensor):
@@ -386,3 +391,132 @@ def _serial_gpipe(stage, inputs, targets, micro_batches, wait):
                                 serial_gpipe_waiting_through_the_base_class])  # fmt: skip
 def test_waits_through_the_handles_class_are_seen_by_lab08s_probe(fn):
     _failed_with(ok.grading.check_gpipe_step(fn), "nothing overlaps")
+
+
+# --------------------------------------------------------------------------- the red team's
+# second round: each way it found, kept with a twin
+
+
+def ring_from_the_kits_private_helpers(tensor):
+    from overlapkit import collectives as C
+
+    flat = tensor.view(-1)
+    bounds = C.chunk_bounds(flat.numel(), ok.world_size())
+    C._ring_reduce_scatter_flat(flat, bounds, "sum", None)
+    C._ring_all_gather_flat(flat, bounds, None)
+
+
+def naive_from_the_kits_private_helper(tensor):
+    from overlapkit import collectives as C
+
+    announce, C._announce = C._announce, lambda *a, **k: None
+    try:
+        C._naive(tensor, "sum", None, None)
+    finally:
+        C._announce = announce
+
+
+@pytest.mark.parametrize("fn,pattern", [(ring_from_the_kits_private_helpers, "ring"),
+                                        (naive_from_the_kits_private_helper, "root")])  # fmt: skip
+def test_the_kits_private_helpers_are_its_answer_too(fn, pattern):
+    _failed_with(ok.grading.check_all_reduce(fn, pattern=pattern, world_sizes=(2,)),
+                 "the kit's own answer")  # fmt: skip
+
+
+def ring_with_the_watch_switched_off(tensor):
+    import sys
+    import threading
+
+    watch = sys.getprofile()
+    sys.setprofile(None)
+    threading.setprofile(None)
+    ok.collectives.ring_all_reduce.__wrapped__(tensor)
+    sys.setprofile(watch)
+    threading.setprofile(watch)
+
+
+def _empty_the_watch():
+    import sys
+
+    for cell in sys.getprofile().__closure__ or ():
+        contents = cell.cell_contents
+        if isinstance(contents, (list, dict, set)):
+            contents.clear()
+
+
+def ring_with_the_watch_blinded(tensor):
+    """Empties every list and set the watch holds, then runs the kit's ring."""
+    _empty_the_watch()
+    ok.collectives.ring_all_reduce.__wrapped__(tensor)
+
+
+def ring_then_the_watchs_notes_wiped(tensor):
+    """Runs the kit's ring, then empties what the watch noted."""
+    ok.collectives.ring_all_reduce.__wrapped__(tensor)
+    _empty_the_watch()
+
+
+@pytest.mark.parametrize("fn", [ring_with_the_watch_switched_off, ring_with_the_watch_blinded,
+                                ring_then_the_watchs_notes_wiped])  # fmt: skip
+def test_switching_the_watch_off_or_emptying_it_fails(fn):
+    report = ok.grading.check_all_reduce(fn, pattern="ring", world_sizes=(2,))
+    assert not report.all_passed, report.cases
+
+
+def _hidden_group():
+    import datetime
+
+    key = "redteam"
+    if not hasattr(_hidden_group, "pg"):
+        store = dist.PrefixStore(key, c10d._get_default_store())
+        _hidden_group.pg = dist.ProcessGroupGloo(
+            store, ok.rank(), ok.world_size(), datetime.timedelta(seconds=30)
+        )
+    return _hidden_group.pg
+
+
+def sum_on_a_hidden_group(tensor):
+    _hidden_group().allreduce([tensor.view(-1)]).wait()
+
+
+def sum_on_a_hidden_group_with_decoy_ring_messages(tensor):
+    me, n = ok.rank(), ok.world_size()
+    flat = tensor.view(-1)
+    chunks = ok.collectives.chunk_bounds(flat.numel(), n)
+    _hidden_group().allreduce([flat]).wait()
+    for k in range(2 * (n - 1)):
+        lo, hi = chunks[k % n]
+        if hi > lo:
+            hs = [ok.p2p.isend(torch.zeros(hi - lo), (me + 1) % n),
+                  ok.p2p.irecv(torch.empty(hi - lo), (me - 1) % n)]  # fmt: skip
+            for h in hs:
+                h.wait()
+
+
+@pytest.mark.parametrize("fn", [sum_on_a_hidden_group,
+                                sum_on_a_hidden_group_with_decoy_ring_messages])  # fmt: skip
+def test_a_group_made_outside_torchs_registry_is_still_a_built_in(fn):
+    _failed_with(ok.grading.check_all_reduce(fn, pattern="ring", world_sizes=(2,)),
+                 "called on a process group directly")  # fmt: skip
+
+
+def own_pieces_round_the_ring(tensor):
+    """Two ranks: each sends its own tensor to the other in chunk-sized pieces and adds what
+    it gets. Right sum, right neighbour, 2(N − 1) messages of a chunk each, but the second
+    message is the sender's own chunk, not a finished sum: not the ring."""
+    me, n = ok.rank(), ok.world_size()
+    flat = tensor.view(-1)
+    got = torch.empty_like(flat)
+    for lo, hi in ok.collectives.chunk_bounds(flat.numel(), n):
+        if hi > lo:
+            hs = [ok.p2p.isend(flat[lo:hi].clone(), (me + 1) % n),
+                  ok.p2p.irecv(got[lo:hi], (me - 1) % n)]  # fmt: skip
+            for h in hs:
+                h.wait()
+    flat += got
+
+
+def test_the_ring_check_reads_what_the_messages_carry():
+    report = ok.grading.check_all_reduce(own_pieces_round_the_ring, pattern="ring",
+                                         world_sizes=(2,))  # fmt: skip
+    _failed_with(report, "not a chunk of a partial sum")

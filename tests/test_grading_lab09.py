@@ -498,7 +498,7 @@ def builtin_through_the_group(model):
     ("fn", "words"),
     [
         (builtin_through_c10d, "called torch.distributed.distributed_c10d.all_reduce"),
-        (builtin_through_the_group, "more operation(s) on torch's process groups, not through"),
+        (builtin_through_the_group, "ProcessGroup.allreduce (called on a process group directly)"),
     ],
     ids=["distributed_c10d.all_reduce", "the group's own allreduce"],
 )

@@ -17,7 +17,12 @@ watch, see ``collectives._Executor``).
 
 Each check's answers are listed once, in :data:`ANSWERS`, by dotted name under
 ``overlapkit``: a module (every function and class defined in it), a class (its methods,
-properties, static and class methods), or a function.
+properties, static and class methods), or a function; "!name" leaves one out.
+
+The watch also notes two things an exercise never needs: the learner's code changing the
+profiler (``sys.setprofile``, ``threading.setprofile``), and calling an operation of a
+torch process group itself (``group.allreduce``, also on a group made outside torch's
+registry, which no sequence number counts).
 """
 
 from __future__ import annotations
@@ -25,9 +30,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import itertools
+import os
 import sys
 import threading
 import types
+
+import torch
 
 #: per check: the kit's code that answers its exercise. A module stands for all it defines.
 #: "from_scratch" is every collective a from-scratch exercise (labs 02, 03) must build itself.
@@ -38,15 +47,10 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     "check_bytes_moved": ("costmodel.bytes_moved_per_rank", "costmodel.ring_all_reduce",
                           "costmodel.ring_reduce_scatter", "costmodel.ring_all_gather",
                           "costmodel.naive_all_reduce"),
-    "from_scratch": (
-        "collectives.naive_all_reduce",
-        "collectives.ring_all_reduce",
-        "collectives.ring_reduce_scatter",
-        "collectives.ring_all_gather",
-        "collectives.bucketed_all_reduce",
-        "moe.AllToAll",
-        "training.builtin_all_reduce",
-    ),
+    # the whole module: its private helpers (_naive, _ring_reduce_scatter_flat, …) hold the
+    # algorithms; chunk_bounds is the lab's own advice
+    "from_scratch": ("collectives", "!collectives.chunk_bounds", "moe.AllToAll",
+                     "training.builtin_all_reduce"),
     "check_zero1_step": ("sharded.ShardedOptimizer",),
     "check_memory_per_rank": ("grading.lab04.memory_reference", "sharded.ShardedOptimizer"),
     "check_overlapped_step": ("ddp._DataParallel", "ddp.NaiveDDP", "ddp.OverlapDDP",
@@ -57,12 +61,11 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     "check_bucketed_ddp": ("ddp._DataParallel", "ddp.NaiveDDP", "ddp.OverlapDDP",
                            "ddp.BucketedDDP", "ddp.ddp_comm_hook", "costmodel.ddp_buckets"),
     "check_1f1b_schedule": ("pipeline.make_schedule",),
-    "check_gpipe_step": ("pipeline._Run", "pipeline.PipelineStage", "pipeline.run_on_one_device"),
+    "check_gpipe_step": ("pipeline",),
     "check_average_parameters": ("training._average_parameters", "training._averaged",
                                  "training.train"),
-    "check_ag_matmul": ("tensor_parallel.all_gather_matmul", "tensor_parallel._AllGatherMatmul",
-                        "tensor_parallel._checked_ring", "tensor_parallel.ColumnParallelLinear"),
-    "check_chunked_moe": ("moe.MoELayer",),
+    "check_ag_matmul": ("tensor_parallel",),
+    "check_chunked_moe": ("moe.MoELayer", "moe.reference_moe"),
 }  # fmt: skip
 
 
@@ -117,49 +120,110 @@ def _functions(obj):
 
 def code_objects(names) -> dict[types.CodeType, str]:
     """Each code object of the answers ``names`` (dotted under overlapkit), with the name
-    a learner is told: ``ok.<dotted>``."""
+    a learner is told: ``ok.<dotted>``. A name that starts with "!" is allowed: its code
+    is left out (a module's helper the lab tells the learner to use)."""
     codes = {}
-    for dotted in names:
+    allowed = {
+        code
+        for dotted in names if dotted.startswith("!")
+        for fn in _functions(_resolve(dotted[1:]))
+        for code in _nested(fn.__code__)
+    }  # fmt: skip
+    for dotted in (n for n in names if not n.startswith("!")):
         obj = _resolve(dotted)
         for fn in _functions(obj):
             label = f"ok.{dotted}" if not isinstance(obj, types.ModuleType) else (
                 f"ok.{dotted}.{fn.__qualname__.split('.<locals>')[0]}")  # fmt: skip
             for code in _nested(fn.__code__):
-                codes.setdefault(code, label)
+                if code not in allowed:
+                    codes.setdefault(code, label)
     return codes
 
 
-class _Watch:
-    """A profile function that notes each start of a watched code object, and passes every
-    event on to the profiler that was there before (another watch, a learner's profiler)."""
+_KIT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # overlapkit/
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
-    propagates = True  # the kit's communication workers run an op under its issuer's watch
+#: the operations of torch's process groups, by the builtin function a call runs
+_GROUP_OPS = ("allreduce", "allreduce_coalesced", "broadcast", "allgather", "_allgather_base",
+              "allgather_coalesced", "allgather_into_tensor_coalesced", "reduce_scatter",
+              "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "reduce", "alltoall",
+              "alltoall_base", "send", "recv", "recv_anysource", "gather", "scatter", "barrier",
+              "monitored_barrier")  # fmt: skip
 
-    def __init__(self, codes: dict, ran: list, before):
-        self.codes, self.ran, self.before = codes, ran, before
 
-    def __call__(self, frame, event, arg):
+def _group_ops() -> dict[int, str]:
+    """id of each process-group operation's builtin function -> its name: a call of one
+    from the learner's code is seen whatever group it is on (one made outside torch's
+    registry too, which no sequence number of the registry's groups counts)."""
+    import torch._C._distributed_c10d as c10d  # noqa: PLC0415
+
+    found = {}
+    kinds = ("ProcessGroup", "Backend", "ProcessGroupGloo", "ProcessGroupNCCL", "ProcessGroupMPI")
+    for cls in (getattr(c10d, n, None) for n in kinds):
+        for name in _GROUP_OPS if cls is not None else ():
+            fn = getattr(vars(cls).get(name), "__func__", vars(cls).get(name))
+            if fn is not None:
+                found[id(fn)] = f"{cls.__name__}.{name}"
+    return found
+
+
+def _learners(frame) -> bool:
+    """The frame runs the learner's code (not the kit's, not torch's)."""
+    path = frame.f_code.co_filename
+    return not (path.startswith(_KIT) or path.startswith(_TORCH))
+
+
+def _watch(codes: dict, ran: list, before, counter):
+    """A profile function that notes each start of a watched code object (its answer's
+    name), a call of sys.setprofile or threading.setprofile from the learner's code
+    (:data:`TAMPERED`), and a process-group operation the learner's code calls itself
+    (:data:`GROUP`); every event goes on to the profiler that was there before (another
+    watch, a learner's profiler). A closure over a frozen set: nothing on it to clear; and
+    ``counter`` (an ``itertools.count`` that cannot be wound back) counts every note, so
+    that notes taken out of ``ran`` afterwards show."""
+    watched = frozenset(codes)
+    labels = dict(codes)
+    setprofile, threading_setprofile = sys.setprofile, threading.setprofile.__code__
+    ops = _group_ops()
+    tick = counter.__next__
+
+    def note(what: str) -> None:
+        tick()
+        ran.append(what)
+
+    def watch(frame, event, arg):
         if event == "call":
-            label = self.codes.get(frame.f_code)
-            if label is not None:
-                self.ran.append(label)
-        if self.before is not None:
-            self.before(frame, event, arg)
+            code = frame.f_code
+            if code in watched:
+                note(labels.get(code, "ok.?"))
+            elif code is threading_setprofile and _learners(frame.f_back):
+                note(TAMPERED)
+        elif event == "c_call" and _learners(frame):
+            if arg is setprofile:
+                note(TAMPERED)
+            elif id(arg) in ops:
+                note(GROUP.format(ops[id(arg)]))
+        if before is not None:
+            before(frame, event, arg)
+
+    watch.propagates = True  # the kit's communication workers run an op under its watch
+    return watch
 
 
 @contextlib.contextmanager
 def running(names):
     """Watch the answers ``names`` while the block runs; yields the list of the answers'
-    names, one entry per time their code started (see the module docstring for where)."""
+    names, one entry per time their code started (see the module docstring for where),
+    and what else the watch saw (:func:`said` words it)."""
     from . import sealed  # noqa: PLC0415
 
     ran: list[str] = []
     if not names:
         yield ran
         return
-    codes = code_objects(names)
     before, before_threads = sys.getprofile(), threading.getprofile()
-    watch = _Watch(codes, ran, before)
+    counter = itertools.count()
+    watch = _watch(code_objects(names), ran, before, counter)
     sys.setprofile(watch)
     threading.setprofile(watch)
     try:
@@ -167,17 +231,11 @@ def running(names):
         with sealed.watching(("answers", tuple(names)), ran):
             yield ran
     finally:
-        if sys.getprofile() is not watch:
+        # notes taken out of ``ran`` (or a list put in its place) leave the count higher
+        if sys.getprofile() is not watch or next(counter) > len(ran):
             ran.append(TAMPERED)
         sys.setprofile(before)
         threading.setprofile(before_threads)
-
-
-def watch_of_this_thread():
-    """The watch on this thread, if any: what the kit's communication worker should run an
-    async op under (``sys.setprofile`` is per thread)."""
-    profile = sys.getprofile()
-    return profile if getattr(profile, "propagates", False) else None
 
 
 class AnswerRan(RuntimeError):
@@ -191,14 +249,24 @@ class AnswerRan(RuntimeError):
 
 #: what a watch notes when the learner's function took the watch away
 TAMPERED = "sys.setprofile"
+#: what a watch notes when the learner's code ran a process group's own operation
+GROUP = "torch's {} (called on a process group directly)"
 
 
 def said(ran: list[str]) -> str:
     """What a learner is told about the answers ``ran`` (non-empty)."""
     if TAMPERED in ran:
-        return ("replaced the profiler the check watches the kit's answers with "
-                "(sys.setprofile): the check cannot see what ran, so it fails")  # fmt: skip
-    names = ", ".join(dict.fromkeys(ran))
+        return ("changed the profiler the check watches the kit's answers with "
+                "(sys.setprofile / threading.setprofile): the check cannot see what ran, so "
+                "it fails")  # fmt: skip
+    groups = [r for r in ran if r.startswith("torch's ")]
+    if groups:
+        return (
+            f"called {groups[0]}: a built-in collective or message by another door. Use "
+            "ok.p2p for messages (and the kit's ops where the exercise allows them)"
+        )
+    first, *more = dict.fromkeys(ran)  # the first to start is the one called
+    names = first + (f" (and {len(more)} more of the kit's functions)" if more else "")
     return (
         f"ran {names}, the kit's own answer (however it was reached: an alias, a subclass, a "
         "wrapper or a default argument runs the same code): write it yourself"

@@ -125,10 +125,13 @@ def _case(what: str, call, done: list, numel: int | None = None):
         raise error from exc
 
 
-def _messages_since(mark: tuple[int, int]) -> tuple[list, list]:
-    """The (peer, bytes) messages this rank sent and received since ``mark``."""
+def _messages_since(mark: tuple[int, int]) -> tuple[list, list, list]:
+    """The (peer, bytes) messages this rank sent and received since ``mark``, and what
+    the sent ones carried."""
     seen = recorder.current()
-    return (seen.sent[mark[0] :], seen.received[mark[1] :]) if seen else ([], [])
+    if not seen:
+        return [], [], []
+    return seen.sent[mark[0] :], seen.received[mark[1] :], seen.payloads[mark[0] :]
 
 
 def _mark() -> tuple[int, int]:
@@ -394,7 +397,7 @@ def _check(name, fn, runner, expected, world_sizes, op, from_scratch, timeout,
         inputs = None if given[1] is None else functools.partial(given[1], seeds=seeds)
         try:
             results = run_recorded(runner, fn, op, world_size=world, timeout=timeout,
-                                   link=CHECK_LINK, forbid=forbid,
+                                   link=CHECK_LINK, forbid=forbid, payloads=pattern is not None,
                                    rank_kwargs=[_mine(seeds, r, world) for r in range(world)],
                                    **extra)  # fmt: skip
         except CaseError as exc:  # a value wrong before the error says more than the error
@@ -411,7 +414,7 @@ def _check(name, fn, runner, expected, world_sizes, op, from_scratch, timeout,
             return report
         results = [(rank, cases, seen) for rank, (cases, seen) in enumerate(results)]
         problem = _first_problem(results, world, expected, op, from_scratch, inputs, made_of)
-        problem = problem or _pattern_problem(results, world, pattern)
+        problem = problem or _pattern_problem(results, world, pattern, inputs)
         if problem:
             report.fail(problem)
             return report  # one clear reason at a time: fix it, then run the check again
@@ -422,19 +425,61 @@ def _check(name, fn, runner, expected, world_sizes, op, from_scratch, timeout,
     return report
 
 
-def _pattern_problem(results, world: int, pattern: str | None) -> str | None:
+def _pattern_problem(results, world: int, pattern: str | None, inputs) -> str | None:
     """The first case whose messages are not the ``pattern`` the lab teaches (the values
-    were right: :func:`_first_problem` found nothing), said precisely; None if none."""
+    were right: :func:`_first_problem` found nothing), said precisely; None if none. The
+    messages are judged by where they went, their sizes and what they carried."""
     if pattern is None or world < 2:
         return None
     for rank, cases, _ in results:
-        for case in cases:
-            numel, (sent, received) = case[0], case[5]
+        for salt, case in enumerate(cases):
+            numel, (sent, received, carried) = case[0], case[5]
             where = f"{world} ranks, {numel} elements: rank {rank}"
             problem = (_ring_problem if pattern == "ring" else _root_problem)(
                 rank, world, numel, sent, received)  # fmt: skip
+            if not problem:
+                parts = inputs(world, numel, salt)
+                problem = (_ring_content if pattern == "ring" else _root_content)(
+                    rank, world, numel, carried, parts)  # fmt: skip
             if problem:
                 return f"{where} {problem}"
+    return None
+
+
+def _ring_content(rank: int, world: int, numel: int, carried, parts) -> str | None:
+    """Each message of a ring carries, in one chunk, the sum of a run of ranks ending at
+    the sender: k + 1 of them in reduce-scatter step k, all of them in all-gather. (Where
+    some chunks are empty and skipped, the steps are not told apart: any run will do.)"""
+    bounds = chunk_bounds(numel, world)
+    runs = [sum(parts[(rank - j) % world] for j in range(n)) for n in range(1, world + 1)]
+    steps = numel >= world and len(carried) == 2 * (world - 1)
+    for k, message in enumerate(carried):
+        flat = message.reshape(-1).float() if hasattr(message, "reshape") else None
+        if flat is None or flat.numel() == 0:
+            continue
+        allowed = [runs[min(k, world - 1)]] if steps else runs
+        if not any(torch.equal(flat, run[lo:hi]) for run in allowed for lo, hi in bounds
+                   if hi - lo == flat.numel()):  # fmt: skip
+            return (
+                f"sent a message (#{k + 1}) whose values are not a chunk of a partial sum: a "
+                "ring step sends the chunk it has summed so far (its own, then its own plus "
+                "what came from the left, …; in all-gather the finished sums). Messages that "
+                "carry something else (zeros, a copy made elsewhere) are not the ring"
+            )
+    return None
+
+
+def _root_content(rank: int, world: int, numel: int, carried, parts) -> str | None:
+    """Every other rank sends its own tensor; rank 0 sends the sum."""
+    want = sum(parts) if rank == 0 else parts[rank]
+    for message in carried:
+        flat = message.reshape(-1).float() if hasattr(message, "reshape") else None
+        if flat is not None and not torch.equal(flat, want):
+            what = "the sum" if rank == 0 else "its own tensor"
+            return (
+                f"sent a message that is not {what}: in the master-worker AllReduce every "
+                "other rank sends its input to rank 0, and rank 0 sends the sum"
+            )
     return None
 
 

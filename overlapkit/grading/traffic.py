@@ -59,6 +59,9 @@ class Traffic:
     sent: list[tuple[int, int]] = field(default_factory=list)
     received: list[tuple[int, int]] = field(default_factory=list)
     collectives: list[str] = field(default_factory=list)
+    #: with ``recording(payloads=True)``: a copy of what each message of ``sent`` carried,
+    #: as it was when sent
+    payloads: list = field(default_factory=list)
     #: torch.distributed point-to-point calls made directly, not through ok.p2p
     direct: list[str] = field(default_factory=list)
     #: (call, peer, start, end) of each point-to-point message on the host clock
@@ -98,7 +101,7 @@ def current() -> Traffic | None:
 
 
 @contextlib.contextmanager
-def recording(kit_collectives_are_builtins: bool = True):
+def recording(kit_collectives_are_builtins: bool = True, payloads: bool = False):
     """Patch torch.distributed and ok.p2p in this process; yields the :class:`Traffic` it fills.
 
     A learner's ``ok.p2p.isend`` counts as one message, not as the header and
@@ -111,9 +114,10 @@ def recording(kit_collectives_are_builtins: bool = True):
 
     def note(name, args, kwargs):
         if name in ("send", "isend"):
-            traffic.sent.append(
-                (_peer(args, kwargs, "dst"), _nbytes(args[0] if args else kwargs["tensor"]))
-            )
+            tensor = args[0] if args else kwargs["tensor"]
+            traffic.sent.append((_peer(args, kwargs, "dst"), _nbytes(tensor)))
+            if payloads:
+                traffic.payloads.append(tensor.detach().clone())
         elif name in ("recv", "irecv"):
             traffic.received.append(
                 (_peer(args, kwargs, "src"), _nbytes(args[0] if args else kwargs["tensor"]))
@@ -252,11 +256,12 @@ class _TimedWait:
         return getattr(self._handle, name)
 
 
-def _recorded(fn_bytes: bytes, args_bytes: bytes, forbid: tuple = (), **mine):
+def _recorded(fn_bytes: bytes, args_bytes: bytes, forbid: tuple = (), payloads: bool = False,
+              **mine):  # fmt: skip
     # checks run with the read guard on: a tensor read before its operation's wait()
     # holds NaN every time, so a race fails the check every run, not one run in ten
     # the answers are looked up before the recorder replaces any of them
-    with answers.running(forbid) as ran, recording() as traffic, debug_races():
+    with answers.running(forbid) as ran, recording(payloads=payloads) as traffic, debug_races():
         # loaded after patching, the function and its arguments alike (a check's runner
         # gets the learner's function as an argument): see the module docstring
         fn = cloudpickle.loads(fn_bytes)
@@ -282,11 +287,12 @@ hide_frames_from(__file__)
 
 
 def run_recorded(fn, *args, world_size: int, timeout: float, link=None, forbid=(),
-                 rank_kwargs=None, **kwargs):  # fmt: skip
+                 rank_kwargs=None, payloads: bool = False, **kwargs):  # fmt: skip
     """``ok.launch`` ``fn`` with traffic recording; returns [(value, Traffic)] by rank.
     ``forbid``: the kit's answers (``answers.ANSWERS``) whose code must not run meanwhile:
     if it does, the rank raises :class:`answers.AnswerRan`. ``rank_kwargs``: per rank, more
-    keyword arguments of ``fn`` that only that rank gets (``ok.launch``'s).
+    keyword arguments of ``fn`` that only that rank gets (``ok.launch``'s). ``payloads``: keep
+    a copy of each sent message (:attr:`Traffic.payloads`).
     ``link``: an ``ok.Link`` for the run's ok.p2p messages (checks use one that costs
     nothing, for its headers: a send and a receive that disagree are an error there,
     not a crash of the process)."""
@@ -298,6 +304,7 @@ def run_recorded(fn, *args, world_size: int, timeout: float, link=None, forbid=(
         dumps_keeping_filenames(fn),
         dumps_keeping_filenames((args, kwargs)),
         tuple(forbid),
+        payloads,
         world_size=world_size,
         timeout=timeout,
         quiet=True,
