@@ -520,3 +520,85 @@ def test_the_ring_check_reads_what_the_messages_carry():
     report = ok.grading.check_all_reduce(own_pieces_round_the_ring, pattern="ring",
                                          world_sizes=(2,))  # fmt: skip
     _failed_with(report, "not a chunk of a partial sum")
+
+
+# --------------------------------------------------------------------------- the red team's
+# third round: a recompiled copy of the kit, and a forged record of the messages
+
+
+def _shadow(name):
+    """The kit's module ``name`` compiled again from its source, under another module name
+    and other line numbers (what a student who copies the module wholesale gets)."""
+    import inspect
+    import sys
+    import types
+
+    original = importlib.import_module(name)
+    copy = types.ModuleType(name + "_copy")
+    copy.__package__, copy.__file__ = original.__package__, original.__file__
+    sys.modules[copy.__name__] = copy
+    source = "\n" * 7777 + inspect.getsource(original)
+    exec(compile(source, original.__file__, "exec"), copy.__dict__)  # noqa: S102
+    return copy
+
+
+def naive_from_a_recompiled_copy(tensor):
+    _shadow("overlapkit.collectives").naive_all_reduce(tensor)
+
+
+def fit_from_a_recompiled_copy(sizes, times):
+    return _shadow("overlapkit.costmodel").fit_alpha_beta(sizes, times)
+
+
+def test_a_recompiled_copy_of_the_kit_is_still_its_answer():
+    _failed_with(ok.grading.check_all_reduce(naive_from_a_recompiled_copy, pattern="root",
+                                             world_sizes=(2,)), "the kit's own answer")  # fmt: skip
+    _failed_with(ok.grading.check_fit_alpha_beta(fit_from_a_recompiled_copy),
+                 "the kit's own answer")  # fmt: skip
+
+
+def ring_with_a_forged_record(tensor):
+    """The built-in AllReduce through torch's unwrapped function, then a ring of messages
+    written into the check's record by hand (and its group count blinded)."""
+    import inspect
+
+    from overlapkit.grading import traffic
+
+    record, me, n = traffic.current(), ok.rank(), ok.world_size()
+    traffic.group_ops = dict
+    inspect.unwrap(dist.all_reduce)(tensor)
+    for _ in range(2 * (n - 1)):
+        record.sent.append(((me + 1) % n, 0))
+        record.received.append(((me - 1) % n, 0))
+        record.payloads.append(torch.empty(0))
+
+
+def zero1_with_a_forged_record(flat_params, flat_grads, shard, optimizer):
+    """Two built-in AllReduces (through torch's unwrapped function) where the step wants a
+    ReduceScatter and an AllGather, and the record says it made those."""
+    import inspect
+
+    from overlapkit.grading import traffic
+
+    traffic.group_ops = dict
+    all_reduce, me, n = inspect.unwrap(dist.all_reduce), ok.rank(), ok.world_size()
+    all_reduce(flat_grads)
+    per = shard.numel()
+    shard.grad = flat_grads[me * per : (me + 1) * per] / n
+    optimizer.step()
+    flat_params.zero_()
+    flat_params[me * per : (me + 1) * per] = shard.detach()
+    all_reduce(flat_params)
+    traffic.current().collectives += ["ok.ring_reduce_scatter", "ok.ring_all_gather"]
+
+
+@pytest.mark.parametrize("check,fn", [
+    (lambda fn: ok.grading.check_all_reduce(fn, pattern="ring", world_sizes=(2,)),
+     ring_with_a_forged_record),
+    (ok.grading.check_zero1_step, zero1_with_a_forged_record),
+])  # fmt: skip
+def test_a_forged_record_of_the_messages_fails(check, fn):
+    report = check(fn)
+    _failed_with(report)
+    text = " ".join(m for passed, m in report.cases if not passed)
+    assert "record of its messages" in text or "torch.distributed" in text, text

@@ -498,6 +498,8 @@ def _ring_problem(rank: int, world: int, numel: int, sent, received) -> str | No
                 f"bytes: ⌈{numel}/{world}⌉ elements). {ring}.")  # fmt: skip
     if len(sent) > steps or (numel % world == 0 and len(sent) != steps):
         return f"sent {len(sent)} messages. {ring}."
+    if numel % world == 0 and (odd := [n for _, n in sent if n != chunk]):
+        return f"sent a message of {odd[0]} bytes, where every chunk has {chunk}. {ring}."
     return None
 
 

@@ -62,6 +62,8 @@ class Traffic:
     #: with ``recording(payloads=True)``: a copy of what each message of ``sent`` carried,
     #: as it was when sent
     payloads: list = field(default_factory=list)
+    #: the learner's code changed this record while it ran (the check's own copy replaced it)
+    tampered: bool = False
     #: torch.distributed point-to-point calls made directly, not through ok.p2p
     direct: list[str] = field(default_factory=list)
     #: (call, peer, start, end) of each point-to-point message on the host clock
@@ -111,19 +113,26 @@ def recording(kit_collectives_are_builtins: bool = True, payloads: bool = False)
     """
     traffic = Traffic()
     _current.append(traffic)
+    # the learner's code can reach ``traffic`` (current()): what it records goes into a copy
+    # of its own too, which is what the check gets, and a difference says it was changed
+    kept = Traffic()
+    count_ops, kit_ops = group_ops, p2p.user_stream_ops  # as they are now, not as patched later
+
+    def add(field: str, value) -> None:
+        getattr(traffic, field).append(value)
+        getattr(kept, field).append(value)
 
     def note(name, args, kwargs):
         if name in ("send", "isend"):
             tensor = args[0] if args else kwargs["tensor"]
-            traffic.sent.append((_peer(args, kwargs, "dst"), _nbytes(tensor)))
+            add("sent", (_peer(args, kwargs, "dst"), _nbytes(tensor)))
             if payloads:
-                traffic.payloads.append(tensor.detach().clone())
+                add("payloads", tensor.detach().clone())
         elif name in ("recv", "irecv"):
-            traffic.received.append(
-                (_peer(args, kwargs, "src"), _nbytes(args[0] if args else kwargs["tensor"]))
-            )
+            tensor = args[0] if args else kwargs["tensor"]
+            add("received", (_peer(args, kwargs, "src"), _nbytes(tensor)))
         else:
-            traffic.collectives.append(name)
+            add("collectives", name)
 
     def timed(name, args, kwargs, call, kit=False):
         """Call a point-to-point function, noting when its message started and ended
@@ -132,7 +141,7 @@ def recording(kit_collectives_are_builtins: bool = True, payloads: bool = False)
             return call()
         entry = [name, _peer(args, kwargs, "src" if "recv" in name else "dst"),
                  time.perf_counter(), None]  # fmt: skip
-        traffic.timed.append(entry)
+        add("timed", entry)
         _timing.active = True
         try:
             result = call()
@@ -152,7 +161,7 @@ def recording(kit_collectives_are_builtins: bool = True, payloads: bool = False)
             if not getattr(_kit_call, "active", False):
                 note(name, args, kwargs)
                 if name in P2P:
-                    traffic.direct.append(f"torch.distributed.{name}")
+                    add("direct", f"torch.distributed.{name}")
                     return timed(name, args, kwargs, lambda: original(*args, **kwargs))
             return original(*args, **kwargs)
 
@@ -195,18 +204,23 @@ def recording(kit_collectives_are_builtins: bool = True, payloads: bool = False)
         for module in (collectives, overlapkit):
             patched.append((module, name, getattr(module, name)))
             setattr(module, name, wrapped)
-    before, kit_before = group_ops(), p2p.user_stream_ops()
+    before, kit_before = count_ops(), kit_ops()
     try:
         yield traffic
     finally:
         _current.remove(traffic)
         for module, name, original in reversed(patched):
             setattr(module, name, original)
+        for field in ("sent", "received", "collectives", "direct", "timed", "payloads"):
+            seen, mine = getattr(traffic, field), getattr(kept, field)
+            if len(seen) != len(mine) or any(a is not b for a, b in zip(seen, mine, strict=True)):
+                traffic.tampered = True
+                setattr(traffic, field, list(mine))
         # what torch's groups counted beyond the calls seen by name: a group's own
         # allreduce, torch.ops.c10d, … (each named call and each kit message counts one)
-        ops = sum(n - before.get(g, 0) for g, n in group_ops().items())
+        ops = sum(n - before.get(g, 0) for g, n in count_ops().items())
         named = sum(1 for c in traffic.collectives if not c.startswith("ok.")) + len(traffic.direct)
-        unnamed = ops - (p2p.user_stream_ops() - kit_before) - named
+        unnamed = ops - (kit_ops() - kit_before) - named
         if unnamed > 0:
             traffic.collectives.append(UNNAMED.format(unnamed))
 
@@ -272,8 +286,8 @@ def _recorded(fn_bytes: bytes, args_bytes: bytes, forbid: tuple = (), payloads: 
             if ran:  # the answer's own error says less than that it ran
                 raise answers.AnswerRan.on(_rank(), list(ran)) from exc
             raise
-    if ran:
-        raise answers.AnswerRan.on(_rank(), list(ran))
+    if ran or traffic.tampered:
+        raise answers.AnswerRan.on(_rank(), list(ran) + [answers.RECORD] * traffic.tampered)
     return value, traffic
 
 
