@@ -223,20 +223,28 @@ def _watch(codes: dict, ran: list, before, counter):
     # functions only by identity (a learner's `[p for p in ...]` may well read like the kit's)
     labels = {_key(code): label for code, label in codes.items() if _telling(code)}
     watched = frozenset(labels)
-    known: dict = {}  # code -> its answer's name or None, worked out once per code object
+    # id(code) -> (code, its answer's name or None), worked out once per code object: a
+    # code object hashes by value (its constants' tuple again on every call), an id does
+    # not; the entry keeps the code alive, so that its id is not another's later
+    known: dict = {}
+    answer_ids = frozenset(id(code) for code in codes)
     trusted = _trusted()
     setprofile, threading_setprofile = sys.setprofile, threading.setprofile.__code__
     ops = _group_ops()
     tick = counter.__next__
 
     def answer(code):
-        if code not in known:
-            if id(code) in trusted and code not in codes:  # the kit's other code (a check's)
-                known[code] = None  # may do what an answer does, in as many words
+        entry = known.get(id(code))
+        if entry is None:
+            if id(code) in answer_ids:
+                label = codes.get(code, "ok.?")
+            elif id(code) in trusted:  # the kit's other code (a check's own) may do what an
+                label = None  # answer does, in as many words
             else:
                 key = _key(code)
-                known[code] = labels.get(key, "ok.?") if key in watched else None
-        return known[code]
+                label = labels.get(key, "ok.?") if key in watched else None
+            entry = known[id(code)] = (code, label)
+        return entry[1]
 
     def learners(frame) -> bool:
         return id(frame.f_code) not in trusted
