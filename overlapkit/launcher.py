@@ -92,7 +92,7 @@ class RemoteTraceback(Exception):
 _context_lock = threading.Lock()
 _context = None
 #: what the forkserver imports before it forks a rank (the grader's judge starts it early)
-PRELOAD = ["overlapkit._rank"]
+PRELOAD = ["overlapkit._preload"]
 
 
 def _forkserver():

@@ -39,6 +39,8 @@ import warnings
 
 import torch
 
+from .. import warmup
+
 #: per check: the kit's code that answers its exercise. A module stands for all it defines.
 #: "from_scratch" is every collective a from-scratch exercise (labs 02, 03) must build itself.
 ANSWERS: dict[str, tuple[str, ...]] = {
@@ -183,24 +185,6 @@ def _key(code: types.CodeType) -> tuple:
             code.co_cellvars, consts)  # fmt: skip
 
 
-_warm: list = []
-
-
-def _warm_torch() -> None:
-    """Make torch's lazy start-up happen before a watch, not under it: a torch optimizer's
-    first step imports torch._dynamo and builds its trace rules (thousands of calls), which
-    under a profile function beside a CPU hog took over 30 s and failed an honest lab 06."""
-    if _warm:
-        return
-    _warm.append(True)
-    p = torch.nn.Parameter(torch.zeros(1))
-    p.grad = torch.zeros(1)
-    for make in (torch.optim.SGD, torch.optim.Adam):
-        optimizer = make([p], lr=0.1)
-        optimizer.step()
-        optimizer.zero_grad()
-
-
 #: the least bytecode a function needs for its copy to be recognised (bytes_moved_per_rank
 #: has 50: the smallest answer)
 TELLING_BYTES = 48
@@ -301,7 +285,7 @@ def running(names):
     if not names:
         yield ran
         return
-    _warm_torch()
+    warmup.warm_torch()  # torch's lazy start-up runs before the watch, not under it
     before, before_threads = sys.getprofile(), threading.getprofile()
     counter = itertools.count()
     watch = _watch(code_objects(names), ran, before, counter)

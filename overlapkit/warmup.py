@@ -1,0 +1,29 @@
+"""Torch's lazy start-up, done once and early.
+
+A torch optimizer's first ``step()`` imports ``torch._dynamo`` (and with it sympy and
+parts of inductor: some 900 modules, ~2.5 s of one core). Paid inside every rank of
+every launch, that is seconds per launch on a 2-core laptop; paid under the grading
+watch (a profile function sees every call), it took over 30 s beside a CPU hog. So the
+forkserver that forks the ranks does it once (``overlapkit._rank`` calls
+:func:`warm_torch` when it is preloaded) and a check's own process does it before it
+starts a watch; the ranks inherit it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_done: list = []
+
+
+def warm_torch() -> None:
+    """Run an optimizer step of SGD and of Adam once in this process (idempotent)."""
+    if _done:
+        return
+    _done.append(True)
+    p = torch.nn.Parameter(torch.zeros(1))
+    p.grad = torch.zeros(1)
+    for make in (torch.optim.SGD, torch.optim.Adam):
+        optimizer = make([p], lr=0.1)
+        optimizer.step()
+        optimizer.zero_grad()
