@@ -20,6 +20,7 @@ import pytest
 from overlapkit import plaindata
 from overlapkit.grade.judge import run_check
 from overlapkit.grade.labs import Exercise
+from overlapkit.grading import lab10
 from overlapkit.launcher import RankFailedError, launch
 from tests.test_grade import _by_name, _student
 from tests.tinylab import ASSIGN, ONE_F_ONE_B, notebook
@@ -267,34 +268,53 @@ def test_the_kits_own_answer_under_another_name_scores_zero_also_in_the_judge(ch
         assert words in report.cases[0][1] and "the kit's own answer" in report.cases[0][1]
 
 
-def test_what_the_labs_measure_noted_in_the_notebook_reaches_the_judge(tmp_path):
-    """Lab 10's measure() notes its results in the kernel (grading.records); the grader
-    saves the notes as plain data and its judge reads them: a row that no note holds is
-    named with what was noted, without re-measuring."""
+def test_under_the_grader_only_what_the_witness_measured_counts_as_measured(tmp_path):
+    """Lab 10's measure() asks the grader's witness (a process outside the kernel), which
+    measures and keeps the note; the judge reads the witness's notes. A note forged in the
+    kernel (the red team's lab 10 bypass: records.note with an invented row) never reaches
+    the judge, while the row measure() really returned does, without a re-measurement."""
     from overlapkit.grade.kernel import execute  # noqa: PLC0415
 
     cells = [
         "from overlapkit.grading import lab10, records\n"
         "records.note(lab10.NOTED, {'config': lab10.BASELINE, 'step_ms': 412.34, 'hidden': 0.01})",
         "TUNED = {'wrapper': 'bucketed', 'bucket_mb': 1}\n"
-        "REPORT = {'before': {'step_ms': 800.0, 'hidden': 0.0},\n"
-        "          'after': {'step_ms': 350.0, 'hidden': 0.7}}",
+        "m = lab10.measure(TUNED)\n"
+        "REPORT = {'before': {'step_ms': 412.34, 'hidden': 0.01},\n"
+        "          'after': {'step_ms': m['step_ms'], 'hidden': m['hidden']}}",
     ]
     student = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     folder = tmp_path / "saved"
     folder.mkdir()
-    found, notes = execute(student, ["REPORT", "TUNED"], str(folder), 60, 120)
+    found, notes = execute(student, ["REPORT", "TUNED"], str(folder), 120, 240, witnessed=True)
     assert found.get("REPORT") == "ok" and found.get("TUNED") == "ok", (found, notes)
+    assert not notes, notes
     ex = Exercise("check_tuning", ["REPORT", "TUNED"], {}, "", points=4.0)
     report = run_check(ex, str(folder), limit=120)
     assert isinstance(report, dict), report
     assert report["score"] == 0
-    assert [c["message"] for c in report["cases"]][:2] == [
-        "before: step 800 ms, hidden 0 is not what measure(BASELINE) returned here: step 800 "
-        "against 412.3 ms (rounding may move it 0.5%) and hidden 0 against 0.01 (2 decimals) "
-        "(it returned 412.3 ms, hidden 0.01)",
-        "after: step 350 ms, hidden 0.7: measure(TUNED) never ran in this notebook (TUNED is "
-        "{'wrapper': 'bucketed', 'bucket_mb': 1}): measure it with the notebook's measure(), "
-        "which notes what it returns (numbers from a launch of your own, or typed in, do not "
-        "count)",
+    assert [c["message"] for c in report["cases"]] == [
+        "before: step 412.3 ms, hidden 0.01: measure(BASELINE) never ran in this notebook "
+        "(BASELINE is {'wrapper': 'bucketed', 'bucket_mb': 25}): measure it with the "
+        "notebook's measure(), which notes what it returns (numbers from a launch of your "
+        "own, or typed in, do not count)",
+        lab10.NOT_NOTED + " (after is what measure(TUNED) returned; the other row is not)",
     ], report
+
+
+def test_the_witness_refuses_a_configuration_the_lab_does_not_take_and_goes_on():
+    """What the kernel sends the witness is a request, checked like measure()'s argument."""
+    from overlapkit.grading import witness  # noqa: PLC0415
+
+    with witness.Witness() as w, pytest.MonkeyPatch.context() as mp:
+        mp.setenv(witness.ENV, w.path)
+        for bad, words in [
+            ({"wrapper": "magic"}, "'wrapper' must be one of"),
+            ({"wrapper": "bucketed", "bucket_mb": -1}, "size in MiB > 0"),
+            ({"wrapper": "bucketed", "steps": 1}, "takes only wrapper"),
+        ]:
+            with pytest.raises(ValueError, match=words):
+                lab10.measure(bad)
+            with pytest.raises(RuntimeError, match=words):  # sent as is: the witness says it
+                witness.ask(lab10.NOTED, bad)
+        assert w.notes() == {}

@@ -5,8 +5,9 @@ The judge process decides the verdict, so nothing of the student's runs in it:
 * it starts isolated (``python -I``: no ``PYTHON*`` variables, no user site-packages), in
   an empty folder of its own, with no folder of the student's on ``sys.path``, and
   imports the kit before it reads anything the notebook left;
-* it never unpickles the student's objects: data (a table, a configuration, what the lab's
-  helpers noted in the notebook: ``overlapkit.grading.records``) is read with PyTorch's
+* it never unpickles the student's objects: data (a table, a configuration, and what the
+  grader's witness saw the notebook measure: ``overlapkit.grading.witness``, never notes
+  the kernel wrote) is read with PyTorch's
   weights-only loader, functions and classes stay sealed bytes that unpickle
   only on ranks (``overlapkit.grading.sealed``), and ranks' results come back as plain
   data (``overlapkit.plaindata``);
@@ -56,9 +57,9 @@ plaindata.distrust_from_now()
 out = os.fdopen(int(sys.argv[1]), "w")
 check, folder = sys.argv[2], sys.argv[3]
 names, kwargs, shown = json.loads(sys.argv[4]), json.loads(sys.argv[5]), json.loads(sys.argv[6])
-try:  # what the lab's own helpers measured in the notebook, as plain data (records)
+try:  # what the grader's witness saw the notebook measure, as plain data (records)
     from overlapkit.grading import records
-    with open(os.path.join(folder, "__notes__.pt"), "rb") as f:
+    with open(os.path.join(folder, "__notes__.pt"), "rb") as f:  # the witness's (kernel.NOTES)
         records.restore(plaindata.loads(f.read()))
 except Exception:
     pass

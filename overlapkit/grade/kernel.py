@@ -23,10 +23,12 @@ from pathlib import Path
 
 import nbformat
 
+from ..grading.witness import Witness
 from .labs import _is_check_cell
 from .processes import descendants, end_new_processes
 
 MARK = "@@overlapkit-grade@@"
+NOTES = "__notes__.pt"  # what the witness saw measured, for the judge (plain data)
 GRACE_S = 15.0  # after an interrupt, before the kernel's process group is killed (a loaded
 # machine can take seconds to deliver it: an import in C code does not see it)
 AFTER_HANG_S = 10.0  # the limit of every cell after one that had to be interrupted
@@ -56,12 +58,6 @@ def _harvest_code(names: list[str], folder: str, real_file: str) -> str:
                     _g_torch.save(_g_obj, {folder!r} + "/" + _g_name + ".pt")
                 except Exception:
                     pass
-        try:  # what the lab's own helpers measured (records): plain data for the judge
-            import torch as _g_torch
-            from overlapkit.grading import records as _g_records
-            _g_torch.save(_g_records.plain(), {folder!r} + "/__notes__.pt")
-        except Exception:
-            pass
         _g_ok = globals().get("ok")
         _g_found["__ok__"] = _g_ok is None or (getattr(_g_ok, "__file__", None) == {real_file!r})
         _g_gr = globals().get("grading")
@@ -85,11 +81,11 @@ def _errors(cell) -> str | None:
 
 
 def execute(student: nbformat.NotebookNode, names: list[str], folder: str, cell_limit: float,
-            total_limit: float) -> tuple[dict, list[str]]:  # fmt: skip
+            total_limit: float, witnessed: bool = False) -> tuple[dict, list[str]]:  # fmt: skip
     """Run the student's cells (in a fresh folder of their own), then save the exercise
-    objects; returns (what the harvest found, notes on cells that failed or were skipped)."""
-    from nbclient import NotebookClient  # noqa: PLC0415
-
+    objects; returns (what the harvest found, notes on cells that failed or were skipped).
+    ``witnessed``: the lab's measurements are taken by the grader's witness (its checks
+    ask what was measured)."""
     import overlapkit  # noqa: PLC0415
 
     nb = nbformat.v4.new_notebook(metadata=student.metadata)
@@ -105,6 +101,25 @@ def execute(student: nbformat.NotebookNode, names: list[str], folder: str, cell_
     harvest = nbformat.v4.new_code_cell(_harvest_code(names, folder, overlapkit.__file__))
     nb.cells.append(harvest)
     labels.append("the grader's last cell (it saves the exercises)")
+    # the lab's measurements are taken by the grader's witness, outside the kernel: what
+    # the judge reads as measured is what the witness saw, never notes the kernel wrote
+    with Witness() if witnessed else contextlib.nullcontext() as witness:
+        env = witness.env() if witness else {}
+        found, notes = _execute(nb, harvest, labels, folder, cell_limit, total_limit, env)
+        if witness:
+            import torch  # noqa: PLC0415
+
+            torch.save(witness.notes(), os.path.join(folder, NOTES))
+    if last < len(code) and not (notes and notes[-1].startswith("the kernel")):
+        notes.append(f"{len(code) - last} code cell(s) after the last check were not run: "
+                     "they cannot change what is graded")  # fmt: skip
+    return found, notes
+
+
+def _execute(nb, harvest, labels, folder, cell_limit, total_limit, env):
+    """execute()'s kernel: the cells under their limits, then the harvest's findings."""
+    from nbclient import NotebookClient  # noqa: PLC0415
+
     before = descendants()
     with tempfile.TemporaryDirectory(prefix="overlapkit-kernel-") as home:
         # no timeout of nbclient's own: the watchdog interrupts, then ends the kernel (after
@@ -113,7 +128,7 @@ def execute(student: nbformat.NotebookNode, names: list[str], folder: str, cell_
         client = NotebookClient(nb, timeout=None, allow_errors=True, kernel_name="python3",
                                 resources={"metadata": {"path": home}})  # fmt: skip
         try:
-            with client.setup_kernel():
+            with client.setup_kernel(env={**os.environ, **env}):
                 try:
                     notes = _run_cells(client, nb, harvest, cell_limit, total_limit, labels)
                 finally:  # while the kernel lives, what it started is still in our tree
@@ -122,9 +137,6 @@ def execute(student: nbformat.NotebookNode, names: list[str], folder: str, cell_
             end_new_processes(before)  # and what left it, where adopt_orphans() was called
     if notes and notes[-1].startswith("the kernel"):
         return {}, notes
-    if last < len(code):
-        notes.append(f"{len(code) - last} code cell(s) after the last check were not run: "
-                     "they cannot change what is graded")  # fmt: skip
     text = _stream_text(harvest)
     line = next((ln for ln in text.splitlines() if ln.startswith(MARK)), None)
     try:

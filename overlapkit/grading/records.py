@@ -3,13 +3,13 @@ that was measured from one that was typed.
 
 A lab's measuring helper (lab 10's ``measure()``) notes each result here, in the
 notebook's process; the lab's check compares the learner's table with the notes: a row
-that no note holds was not measured there. ``python -m overlapkit.grade`` carries the
-notes from the notebook's kernel to its judge as plain data (:func:`plain`, then
-:func:`restore` there).
+that no note holds was not measured there. The grader's judge reads (:func:`restore`) the
+notes its witness took.
 
-Not a seal: code in the notebook can write a note too. A note must still agree with what
-the check re-measures, so forging one is no shorter than measuring; what notes stop is the
-guess (a plausible table typed in, or copied from someone else's run).
+In a notebook this is not a seal: code in the notebook can write a note too (and could as
+well print a ✔ of its own). Under ``python -m overlapkit.grade`` it is: the lab's
+measurements are taken by the grader's witness, a process outside the kernel, and the
+judge reads the witness's notes, never the kernel's (:mod:`.witness`).
 """
 
 from __future__ import annotations
@@ -28,12 +28,6 @@ def note(kind: str, entry: dict) -> None:
 def noted(kind: str) -> list[dict]:
     """Every entry of ``kind`` noted so far (in this process, or restored into it)."""
     return list(NOTES.get(kind, []))
-
-
-def plain() -> dict:
-    """The notes as plain data (what the grader saves from a notebook's kernel)."""
-    return {str(k): [_plain_entry(e) for e in v if isinstance(e, dict)]
-            for k, v in NOTES.items() if isinstance(v, list)}  # fmt: skip
 
 
 def restore(notes) -> None:
