@@ -602,3 +602,60 @@ def test_a_forged_record_of_the_messages_fails(check, fn):
     _failed_with(report)
     text = " ".join(m for passed, m in report.cases if not passed)
     assert "record of its messages" in text or "torch.distributed" in text, text
+
+
+# --------------------------------------------------------------------------- red team, round 3
+
+
+def ag_matmul_from_the_old_fixed_seed(x, weight):
+    """Round 3: every rank's input came from manual_seed(7): rebuild all of it, multiply at
+    once, and pass dummy messages round the ring for the count and the overlap."""
+    n, me = ok.world_size(), ok.rank()
+    rows, feats = x.shape
+    full = torch.randn(n * rows, feats, generator=torch.Generator().manual_seed(7))
+    out = None
+    for _ in range(n - 1):
+        buf = torch.empty_like(x)
+        hs = [ok.p2p.isend(x.clone(), (me + 1) % n), ok.p2p.irecv(buf, (me - 1) % n)]
+        if out is None:
+            out = full @ weight.t()
+        for h in hs:
+            h.wait()
+    return out
+
+
+def ag_matmul_from_the_callers_frame(x, weight):
+    """Reads what the check's rank holds: only this rank's shard and weight are there."""
+    import inspect
+
+    n = ok.world_size()
+    held = [f.frame.f_locals for f in inspect.stack()[1:]]
+    fulls = [v for loc in held for v in loc.values() if isinstance(v, torch.Tensor)
+             and v.dim() == 2 and v.shape == (n * x.shape[0], x.shape[1])]  # fmt: skip
+    full = fulls[0] if fulls else x.repeat(n, 1)
+    hs = [ok.p2p.isend(x.clone(), (ok.rank() + 1) % n),
+          ok.p2p.irecv(torch.empty_like(x), (ok.rank() - 1) % n)]  # fmt: skip
+    out = full @ weight.t()
+    for h in hs:
+        h.wait()
+    return out
+
+
+@pytest.mark.parametrize("fn", [ag_matmul_from_the_old_fixed_seed,
+                                ag_matmul_from_the_callers_frame])  # fmt: skip
+def test_no_rank_holds_the_other_shards_of_lab11s_ag_matmul(fn):
+    _failed_with(ok.grading.check_ag_matmul(fn), "rank 0, rows", "expected")
+
+
+def fit_the_labs_example_link(sizes, times):
+    return 20e-6, 1 / 2e9
+
+
+def fit_a_round_guess(sizes, times):
+    return 1e-5, 1e-9
+
+
+@pytest.mark.parametrize("fn", [fit_the_labs_example_link, fit_a_round_guess])
+def test_a_link_returned_without_fitting_fails_every_run(fn):
+    for _ in range(10):
+        assert not ok.grading.check_fit_alpha_beta(fn).all_passed

@@ -252,3 +252,15 @@ def test_a_wrong_buffer_size_is_named_and_not_blamed_on_timing():
     failed = [message for passed, message in report.cases if not passed]
     assert "rank 0 moved messages of 32 bytes; every message should have 8 bytes" in failed[0]
     assert not any("total over all iterations" in message for message in failed)
+
+
+def test_a_pair_returned_without_fitting_fails_every_run():
+    """The red team's third round: `return 20e-6, 5e-10` (a plausible link) passed both
+    cases, which fitted a fixed link; the link is now drawn for each run."""
+
+    def guessed(sizes, times):
+        return 20e-6, 5e-10
+
+    for _ in range(20):
+        report = lab00.check_fit_alpha_beta(guessed)
+        assert not report.all_passed, report.cases

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 
 import torch
@@ -196,14 +197,21 @@ _AG_FORBIDDEN = {
 }
 
 
-def _run_ag(ag_matmul):
+def _ag_inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's shard x and its weight, from the seed the checking process drew for it."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(ROWS, FEATURES, generator=gen), torch.randn(OUT, FEATURES, generator=gen)
+
+
+def _run_ag(ag_matmul, seed: int):
+    """On each rank: its own shard and weight only (``seed``, drawn per check and sent to
+    this rank alone), so no rank can rebuild the others' shards without the messages; what
+    is wanted is worked out by the checking process (:func:`_ag_wants`)."""
     import overlapkit as ok  # noqa: PLC0415
 
-    me, world = ok.rank(), ok.world_size()
-    gen = torch.Generator().manual_seed(7)
-    full = torch.randn(world * ROWS, FEATURES, generator=gen)
-    weight = torch.randn(OUT, FEATURES, generator=torch.Generator().manual_seed(8 + me))
-    x = full[me * ROWS : (me + 1) * ROWS].clone()
+    me = ok.rank()
+    x, weight = _ag_inputs(seed)
+    del seed
     log = _Log()
     orig_isend, orig_irecv = ok.p2p.isend, ok.p2p.irecv
     counter = {"send": 0, "recv": 0}
@@ -262,7 +270,7 @@ def _run_ag(ag_matmul):
         handle.wait, handle.is_completed = wait, is_completed
         return handle
 
-    operands: set = set()  # rows of the gathered input seen in a product
+    operands: list = []  # the row blocks seen in a product (the checker tells whose)
     nan_operands = []  # products of a tensor holding NaN (a receive read before its wait)
 
     class Watched(torch.overrides.TorchFunctionMode):
@@ -273,8 +281,8 @@ def _run_ag(ag_matmul):
                 for a in _tensors(args, kwargs):
                     if a.dim() == 2 and a.shape[-1] == FEATURES and a.is_floating_point():
                         nan_operands.extend([True] if bool(a.isnan().any()) else [])
-                        same = (a.detach()[:, None, :] == full[None]).all(dim=-1)
-                        operands.update(same.nonzero()[:, 1].tolist())
+                        if len(operands) < 64:
+                            operands.append(a.detach().clone())
             out = func(*args, **(kwargs or {}))
             if product:
                 log.mark("matmul end", 0)
@@ -293,17 +301,31 @@ def _run_ag(ag_matmul):
         peers.done()
     return {
         "got": got if isinstance(got, torch.Tensor) else repr(got)[:80],
-        "want": full @ weight.t(),
-        "shards": [full[r * ROWS : (r + 1) * ROWS] @ weight.t() for r in range(world)],
         "called": called,
         "builtin": builtin,
         "events": log.events,
         "aliased": aliased,
         "unwaited": handles.take_unwaited(),
         "stuck": stuck,
-        "multiplied": sorted(operands),
+        "operands": operands,
         "nan_operand": bool(nan_operands),
     }
+
+
+def _ag_wants(results: list, seeds: list[int]) -> None:
+    """In the checking process: each rank's wanted output (every shard times its weightᵀ),
+    block by block, and which rows of the gathered input its products took."""
+    shards, weights = zip(*(_ag_inputs(seed) for seed in seeds), strict=True)
+    full = torch.cat(shards)
+    for (res, _), weight in zip(results, weights, strict=True):
+        res["want"] = full @ weight.t()
+        res["shards"] = [shard @ weight.t() for shard in shards]
+        rows: set = set()
+        for a in res.get("operands") or []:
+            if isinstance(a, torch.Tensor) and a.dim() == 2 and a.shape[-1] == FEATURES:
+                same = (a.detach().float()[:, None, :] == full[None]).all(dim=-1)
+                rows.update(same.nonzero()[:, 1].tolist())
+        res["multiplied"] = sorted(rows)
 
 
 _WORLD_HINT = "it passed on 2 ranks and fails on 3: did you write 2 where ok.world_size() belongs?"
@@ -318,10 +340,15 @@ def check_ag_matmul(ag_matmul, timeout: float = 20.0) -> Report:
     for world in (2, 3):
         what = f"ag_matmul on {world} ranks"
         hint = _WORLD_HINT if world > 2 else ""  # the 3-rank case runs once 2 ranks passed
+        seeds = [secrets.randbits(62) for _ in range(world)]
         results = run_or_report(_Hinted(report, hint), what, _run_ag, ag_matmul,
                                 world_size=world, timeout=timeout, link=CHECK_LINK,
-                                forbid=answers.of("check_ag_matmul"))  # fmt: skip
-        if results is None or not _ag_results(report, what, results, world, hint):
+                                forbid=answers.of("check_ag_matmul"),
+                                rank_kwargs=[{"seed": seed} for seed in seeds])  # fmt: skip
+        if results is None:
+            return report
+        _ag_wants(results, seeds)
+        if not _ag_results(report, what, results, world, hint):
             return report
     report.ok("every rank holds AllGather(x) @ Wᵀ, shard by shard, on 2 and 3 ranks")
     return report
