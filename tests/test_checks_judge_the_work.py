@@ -659,3 +659,184 @@ def fit_a_round_guess(sizes, times):
 def test_a_link_returned_without_fitting_fails_every_run(fn):
     for _ in range(10):
         assert not ok.grading.check_fit_alpha_beta(fn).all_passed
+
+
+# The kit's answer where no profile function reaches: it refuses to run (answers._disarmed)
+
+
+def _quiet_the_watch():
+    """Round 3's A1: rewrite the watch's closure so that it notes nothing."""
+    import sys
+    import threading
+
+    seen = set()
+    for w in (sys.getprofile(), threading.getprofile()):
+        while w is not None and id(w) not in seen and getattr(w, "__closure__", None):
+            seen.add(id(w))
+            cells = dict(zip(w.__code__.co_freevars, w.__closure__, strict=True))
+            if "answer" in cells:
+                cells["answer"].cell_contents = lambda code: None
+                cells["learners"].cell_contents = lambda frame: False
+            w = cells["before"].cell_contents if "before" in cells else None
+
+
+def buckets_with_the_watch_quieted(sizes, bucket_mb):
+    _quiet_the_watch()
+    return ok.costmodel.ddp_buckets(sizes, bucket_mb)
+
+
+def buckets_on_a_raw_thread(sizes, bucket_mb):
+    import _thread
+    import threading
+
+    done, out = threading.Event(), []
+
+    def go():
+        try:
+            out.append(ok.costmodel.ddp_buckets(sizes, bucket_mb))
+        except BaseException as exc:  # noqa: BLE001
+            out.append(exc)
+        finally:
+            done.set()
+
+    _thread.start_new_thread(go, ())
+    done.wait()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
+_POOL = []
+
+
+def buckets_on_a_pool_started_before_the_check(sizes, bucket_mb):
+    return _POOL[0].submit(ok.costmodel.ddp_buckets, sizes, bucket_mb).result()
+
+
+def buckets_in_a_forked_child(sizes, bucket_mb):
+    import os
+    import pickle
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            data = pickle.dumps(ok.costmodel.ddp_buckets(sizes, bucket_mb))
+        except BaseException as exc:  # noqa: BLE001
+            data = pickle.dumps(RuntimeError(str(exc)))
+        os.write(w, data)
+        os._exit(0)
+    os.close(w)
+    chunks = []
+    while chunk := os.read(r, 65536):
+        chunks.append(chunk)
+    os.close(r)
+    os.waitpid(pid, 0)
+    out = pickle.loads(b"".join(chunks))
+    if isinstance(out, BaseException):
+        raise out
+    return out
+
+
+def buckets_with_the_watch_off_through_a_partial(sizes, bucket_mb):
+    import sys
+
+    w = sys.getprofile()
+    functools.partial(sys.setprofile, None)()
+    try:
+        return ok.costmodel.ddp_buckets(sizes, bucket_mb)
+    finally:
+        functools.partial(sys.setprofile, w)()
+
+
+@pytest.mark.parametrize("fn", [buckets_with_the_watch_quieted, buckets_on_a_raw_thread,
+                                buckets_on_a_pool_started_before_the_check,
+                                buckets_in_a_forked_child,
+                                buckets_with_the_watch_off_through_a_partial])  # fmt: skip
+def test_the_kits_answer_refuses_to_run_where_the_watch_does_not_reach(fn):
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: None).result()  # its thread starts before the check's watch
+        _POOL[:] = [pool]
+        report = ok.grading.check_assign_buckets(fn)
+    _failed_with(report, "ok.costmodel.ddp_buckets")
+    # and the kit's function works again once the check is over
+    assert ok.costmodel.ddp_buckets([4, 4], 8 / 2**20) == [[0, 1]]
+
+
+def ring_with_the_watch_quieted(tensor):
+    _quiet_the_watch()
+    ok.ddp.ring_all_reduce(tensor, check=False)
+
+
+def ring_on_a_raw_thread(tensor):
+    import _thread
+    import threading
+
+    done, err = threading.Event(), []
+
+    def go():
+        try:
+            ok.ddp.ring_all_reduce(tensor, check=False)
+        except BaseException as exc:  # noqa: BLE001
+            err.append(exc)
+        finally:
+            done.set()
+
+    _thread.start_new_thread(go, ())
+    done.wait()
+    if err:
+        raise err[0]
+
+
+@pytest.mark.parametrize("fn", [ring_with_the_watch_quieted, ring_on_a_raw_thread])
+def test_the_kits_ring_refuses_to_run_on_a_rank_where_the_watch_does_not_reach(fn):
+    _failed_with(ok.grading.check_all_reduce(fn, pattern="ring", world_sizes=(2,)),
+                 "ok.collectives")  # fmt: skip
+
+
+def ping_pong_by_the_kit_when_timed(nbytes, iters):
+    """Round 3's C: messages of its own where only counted, the kit's ping-pong where timed."""
+    if nbytes == 4 << 20:
+        return ok.pingpong.ping_pong(nbytes, iters=iters)
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    peer = 1 - ok.rank()
+    for _ in range(iters):
+        if ok.rank() == 0:
+            ok.p2p.send(buf, peer)
+            ok.p2p.recv(buf, peer)
+        else:
+            ok.p2p.recv(buf, peer)
+            ok.p2p.send(buf, peer)
+    return 1e-4
+
+
+def test_the_timed_ping_pong_is_watched_too():
+    _failed_with(ok.grading.check_ping_pong(ping_pong_by_the_kit_when_timed),
+                 "ok.pingpong")  # fmt: skip
+
+
+def rs_ag_decoys_then_the_kits_ring(tensor):
+    """Round 3's A9: the parts lab 01 asks for on throw-away tensors, then the kit's whole
+    AllReduce under another module's name."""
+    n = ok.world_size()
+    ok.builtin.reduce_scatter_tensor(torch.zeros(1), torch.zeros(n))
+    ok.builtin.all_gather_tensor(torch.zeros(n), torch.zeros(1))
+    ok.ddp.ring_all_reduce(tensor)
+
+
+def rs_ag_decoys_then_the_kits_naive(tensor):
+    n = ok.world_size()
+    ok.ring_reduce_scatter(torch.zeros(1), torch.zeros(n))
+    ok.ring_all_gather(torch.zeros(n), torch.zeros(1))
+    ok.collectives._naive(tensor, "sum", None, None)
+
+
+@pytest.mark.parametrize("fn", [rs_ag_decoys_then_the_kits_ring,
+                                rs_ag_decoys_then_the_kits_naive])  # fmt: skip
+def test_lab01s_all_reduce_from_parts_refuses_the_kits_whole_all_reduce(fn):
+    report = ok.grading.check_all_reduce(fn, made_of=("reduce_scatter", "all_gather"),
+                                         world_sizes=(2,))  # fmt: skip
+    _failed_with(report, "the kit's own answer")

@@ -204,6 +204,14 @@ def fit_plain_least_squares(sizes, times):
     return float(a), float(b)
 
 
+def fit_weighted_least_squares(sizes, times):
+    """The lab's fit, as a learner writes it: each point weighted by 1/t."""
+    t = np.asarray(times)
+    design = np.stack([1 / t, np.asarray(sizes, dtype=float) / t], axis=1)
+    (a, b), *_ = np.linalg.lstsq(design, np.ones(len(t)), rcond=None)
+    return float(a), float(b)
+
+
 def fit_returns_bandwidth(sizes, times):
     alpha, beta = fit_plain_least_squares(sizes, times)
     return alpha, 1 / beta
@@ -226,7 +234,10 @@ def fit_rhs_times(sizes, times):
         (fit_rhs_times, "its right-hand side is 1"),
     ],
 )
-def test_each_typical_fit_mistake_is_named(fn, hint):
+@pytest.mark.parametrize("scale", [0.6, 0.9, 1.1, 1.6])
+def test_each_typical_fit_mistake_is_named(fn, hint, scale, monkeypatch):
+    """At either end of the link's drawn factor."""
+    monkeypatch.setattr(lab00, "link_scale", lambda: scale)
     report = lab00.check_fit_alpha_beta(fn)
     failed = [message for passed, message in report.cases if not passed]
     assert failed and hint in failed[0], report.cases
@@ -252,6 +263,12 @@ def test_a_wrong_buffer_size_is_named_and_not_blamed_on_timing():
     failed = [message for passed, message in report.cases if not passed]
     assert "rank 0 moved messages of 32 bytes; every message should have 8 bytes" in failed[0]
     assert not any("total over all iterations" in message for message in failed)
+
+
+@pytest.mark.parametrize("scale", [0.6, 0.9, 1.1, 1.6])
+def test_a_right_fit_passes_at_either_end_of_the_links_factor(scale, monkeypatch):
+    monkeypatch.setattr(lab00, "link_scale", lambda: scale)
+    assert lab00.check_fit_alpha_beta(fit_weighted_least_squares).all_passed
 
 
 def test_a_pair_returned_without_fitting_fails_every_run():

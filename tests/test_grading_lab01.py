@@ -126,7 +126,6 @@ def padded_then_all_reduce_too(tensor):
         (plain_all_reduce, "dist.all_reduce"),
         (all_reduce_through_c10d, "dist.all_reduce"),
         (all_reduce_imported_by_name_, "dist.all_reduce"),
-        (the_kit_ring, "ok.ring_all_reduce"),
         (padded_then_all_reduce_too, "dist.all_reduce"),
     ],
 )  # fmt: skip
@@ -137,6 +136,17 @@ def test_calling_an_all_reduce_inside_fails_with_the_call_named(fn, called):
         "AllReduce from ReduceScatter + AllGather: call ok.builtin.reduce_scatter_tensor "
         "(rank r keeps the sum of chunk r), then ok.builtin.all_gather_tensor (every rank "
         "gets every summed chunk), and no AllReduce."
+    )
+
+
+def test_the_kits_all_reduce_inside_refuses_to_run_and_the_parts_are_named():
+    message = the_only_message(check(the_kit_ring))
+    assert " ranks: rank " in message  # whichever rank ran it first
+    assert " ran ok.collectives.ring_all_reduce, the kit's own answer" in message
+    assert message.endswith(
+        "Here the exercise builds AllReduce from ReduceScatter + AllGather: call "
+        "ok.builtin.reduce_scatter_tensor (rank r keeps the sum of chunk r), then "
+        "ok.builtin.all_gather_tensor (every rank gets every summed chunk), and no AllReduce."
     )
 
 

@@ -33,6 +33,13 @@ from ..launcher import PRELOAD
 from .labs import Exercise
 from .processes import descendants, end_new_processes
 
+#: checks whose ranks run no torch optimizer: their judge's forkserver skips torch's
+#: warm-up (overlapkit.warmup: 2.5 s of a core per judge; a learner's function that does
+#: build one pays it on its rank)
+LIGHT = frozenset({"check_fit_alpha_beta", "check_bytes_moved", "check_memory_per_rank",
+                   "check_assign_buckets", "check_1f1b_schedule", "check_ping_pong",
+                   "check_all_reduce"})  # fmt: skip
+
 _RUNNER = r"""
 import ctypes, sys
 try:  # first: PR_SET_DUMPABLE 0, no other process of this user may open our fds or memory
@@ -47,7 +54,9 @@ sys.path[:] = [p for p in sys.path if p not in ("", ".")]  # no folder of the st
 # running with the same preload): ~2 s of every judge's start on an idle core
 import multiprocessing
 from multiprocessing import forkserver
-multiprocessing.get_context("forkserver").set_forkserver_preload(@PRELOAD@)
+# (torch's warm-up in it only where the check's ranks build an optimizer: judge.LIGHT)
+preload = ["overlapkit._rank"] if sys.argv[2] in @LIGHT@ else @PRELOAD@
+multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
 forkserver.ensure_running()
 import json, os
 import overlapkit as ok  # the kit first, before anything the notebook left
@@ -78,7 +87,7 @@ for n in names:
 report = getattr(ok.grading, check)(*objs, **kwargs)
 out.write(json.dumps({"secret": secret, "report": report.to_dict()}) + "\n")
 out.close()
-""".replace("@PRELOAD@", repr(PRELOAD))
+""".replace("@PRELOAD@", repr(PRELOAD)).replace("@LIGHT@", repr(sorted(LIGHT)))
 
 
 def run_check(ex: Exercise, folder: str, limit: float, shown: dict | None = None) -> dict | str:

@@ -23,6 +23,14 @@ The watch also notes two things an exercise never needs: the learner's code chan
 profiler (``sys.setprofile``, ``threading.setprofile``), and calling an operation of a
 torch process group itself (``group.allreduce``, also on a group made outside torch's
 registry, which no sequence number counts).
+
+A profile function only sees the threads it was given; so, meanwhile, the answers are
+also *disarmed*: each of their functions gets code that refuses to run (it notes the
+answer and raises :class:`AnswerRan`) until the learner's call is over. That reaches every
+thread of the process (one the watch never saw: ``_thread.start_new_thread``, a pool
+started before the check) and every process forked from it, whatever turned the watch off.
+Honest work never runs an answer while it is watched (the watch would fail it), so the
+refusal takes nothing from it.
 """
 
 from __future__ import annotations
@@ -54,6 +62,11 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     # algorithms; chunk_bounds is the lab's own advice
     "from_scratch": ("collectives", "!collectives.chunk_bounds", "moe.AllToAll",
                      "training.builtin_all_reduce"),
+    # lab 01: an AllReduce built from a ReduceScatter and an AllGather (the kit's allowed),
+    # never by the kit's whole AllReduce under another name (ok.ddp.ring_all_reduce)
+    "made_of": ("collectives.ring_all_reduce", "collectives.naive_all_reduce",
+                "collectives._naive", "collectives.bucketed_all_reduce",
+                "training.builtin_all_reduce"),
     "check_zero1_step": ("sharded.ShardedOptimizer",),
     "check_memory_per_rank": ("grading.lab04.memory_reference", "sharded.ShardedOptimizer"),
     "check_overlapped_step": ("ddp._DataParallel", "ddp.NaiveDDP", "ddp.OverlapDDP",
@@ -274,6 +287,68 @@ def _watch(codes: dict, ran: list, before, counter):
     return watch
 
 
+#: the lists of the watches open now: a refused answer is noted in each
+_open: list[list[str]] = []
+
+
+def refused(label: str) -> AnswerRan:
+    """What a disarmed answer's code calls: notes ``label`` in every open watch and
+    returns the exception it raises."""
+    for ran in list(_open):
+        ran.append(label)
+    return AnswerRan(f"ran {label}, the kit's own answer, which refuses to run while a check "
+                     "watches your function: write it yourself")  # fmt: skip
+
+
+_refusals: dict[tuple[str, int], types.CodeType] = {}
+
+
+def _refusal(label: str, free: int) -> types.CodeType:
+    """Code that raises :func:`refused`'s exception, with ``free`` free variables (a
+    function's code may only be replaced by code with as many)."""
+    key = (label, free)
+    if key not in _refusals:
+        names = [f"_free{i}" for i in range(free)]
+        source = (
+            "def _outer():\n"
+            + "".join(f"    {v} = None\n" for v in names)
+            + "    def refusing(*args, **kwargs):\n"
+            + (f"        ({', '.join(names)},)\n" if names else "")
+            + "        raise __import__('overlapkit.grading.answers', fromlist=['refused'])"
+            + f".refused({label!r})\n"
+        )
+        outer = compile(source, f"<the kit's answer {label}, disarmed>", "exec").co_consts[0]
+        _refusals[key] = next(c for c in outer.co_consts if isinstance(c, types.CodeType))
+    return _refusals[key]
+
+
+def _answer_functions(names) -> list[tuple[types.FunctionType, str]]:
+    """The functions whose code answers ``names`` (see :func:`code_objects`), each once."""
+    codes = code_objects(names)
+    found, seen = [], set()
+    for dotted in (n for n in names if not n.startswith("!")):
+        for fn in _functions(_resolve(dotted)):
+            if id(fn) not in seen and fn.__code__ in codes:
+                seen.add(id(fn))
+                found.append((fn, codes[fn.__code__]))
+    return found
+
+
+@contextlib.contextmanager
+def _disarmed(names):
+    """The answers' functions refuse to run while the block runs (module docstring)."""
+    swapped = []
+    try:
+        for fn, label in _answer_functions(names):
+            original = fn.__code__
+            fn.__code__ = _refusal(label, len(original.co_freevars))
+            swapped.append((fn, original))
+        yield
+    finally:
+        for fn, original in reversed(swapped):
+            fn.__code__ = original
+
+
 @contextlib.contextmanager
 def running(names):
     """Watch the answers ``names`` while the block runs; yields the list of the answers'
@@ -290,13 +365,15 @@ def running(names):
     before, before_threads = sys.getprofile(), threading.getprofile()
     counter = itertools.count()
     watch = _watch(code_objects(names), ran, before, counter)
+    _open.append(ran)
     sys.setprofile(watch)
     threading.setprofile(watch)
     try:
         # a sealed student function called meanwhile is watched on its own rank the same way
-        with sealed.watching(("answers", tuple(names)), ran):
+        with _disarmed(names), sealed.watching(("answers", tuple(names)), ran):
             yield ran
     finally:
+        _open.remove(ran)
         # notes taken out of ``ran`` (or a list put in its place) leave the count higher
         if sys.getprofile() is not watch or next(counter) > len(ran):
             ran.append(TAMPERED)

@@ -42,7 +42,7 @@ from ..p2p import Link
 from . import answers
 from . import traffic as recorder
 from .common import _learner_line, report_failure
-from .lab01 import PARTS, collective_calls, made_of_problem, padding_advice
+from .lab01 import _HOW, PARTS, collective_calls, made_of_problem, padding_advice
 from .report import Report
 from .traffic import Traffic, run_recorded
 
@@ -388,7 +388,8 @@ def _check(name, fn, runner, expected, world_sizes, op, from_scratch, timeout,
            inputs=None, made_of=None, pattern=None) -> Report:  # fmt: skip
     report = Report(name)
     extra = {"made_of": tuple(made_of)} if made_of else {}
-    forbid = answers.of("from_scratch") if from_scratch else ()
+    forbid = (answers.of("from_scratch") if from_scratch
+              else answers.of("made_of") if made_of else ())  # fmt: skip
     given = expected, inputs
     for world in world_sizes:
         what = f"{name} on {world} ranks"
@@ -407,6 +408,10 @@ def _check(name, fn, runner, expected, world_sizes, op, from_scratch, timeout,
             if made_of and not problem:
                 problem = _made_of_failure(exc, world)
             report.fail(f"{what}: " + (problem or text + _explain_failure(str(exc))))
+            return report
+        except answers.AnswerRan as exc:
+            # lab 01: the kit's whole AllReduce refused to run: say what the parts are
+            report.fail(f"{what}: {exc}" + (f". Here {_HOW}, and no AllReduce." if made_of else ""))
             return report
         except Exception as exc:  # noqa: BLE001 - reported as the learner would want it
             explain = _explain_made_of(world) if made_of else _explain_failure

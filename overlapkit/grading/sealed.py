@@ -123,4 +123,6 @@ def _call_on_rank(fn_bytes: bytes, args_bytes: bytes, watch: list):
         fn = cloudpickle.loads(fn_bytes)
         args, kwargs = cloudpickle.loads(args_bytes)
         value = fn(*args, **kwargs)
-        return value, [list(s) for s in seen]
+    # read once every watch has closed (and added what it saw at its end: a list emptied
+    # by the learner's function is noted then), not inside the block
+    return value, [list(s) for s in seen]
