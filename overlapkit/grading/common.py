@@ -134,6 +134,7 @@ def call_or_report(report: Report, what: str, fn, *args, forbid=None):
     ``forbid``: the kit's own answers (dotted names, ``answers.ANSWERS``); the call fails
     (and checking stops) when their code runs during the learner's call, under whatever
     name it was reached."""
+    ran: list[str] = []
     try:
         with answers.running(forbid or ()) as ran:
             value = fn(*args)
@@ -141,6 +142,9 @@ def call_or_report(report: Report, what: str, fn, *args, forbid=None):
         report.fail(f"{what}: not implemented yet (still raises NotImplementedError)")
         raise Unfinished from None
     except Exception as exc:  # noqa: BLE001 - a crash is one ✘ line
+        if ran or isinstance(exc, answers.AnswerRan):  # the kit's answer ran, and refused
+            report.fail(f"{what}: your function {answers.said(ran)}" if ran else f"{what}: {exc}")
+            raise Unfinished from None
         report.fail(f"{what}: raised {type(exc).__name__}: {exc}")
         return False, None
     if ran:
