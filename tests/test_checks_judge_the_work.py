@@ -685,7 +685,9 @@ def buckets_with_the_watch_quieted(sizes, bucket_mb):
     return ok.costmodel.ddp_buckets(sizes, bucket_mb)
 
 
-def buckets_on_a_raw_thread(sizes, bucket_mb):
+def _on_a_raw_thread(fn, *args):
+    """``fn(*args)`` on a thread of ``_thread``'s own, which threading.setprofile never
+    reaches; its value, or its exception raised here."""
     import _thread
     import threading
 
@@ -693,7 +695,7 @@ def buckets_on_a_raw_thread(sizes, bucket_mb):
 
     def go():
         try:
-            out.append(ok.costmodel.ddp_buckets(sizes, bucket_mb))
+            out.append(fn(*args))
         except BaseException as exc:  # noqa: BLE001
             out.append(exc)
         finally:
@@ -704,6 +706,10 @@ def buckets_on_a_raw_thread(sizes, bucket_mb):
     if isinstance(out[0], BaseException):
         raise out[0]
     return out[0]
+
+
+def buckets_on_a_raw_thread(sizes, bucket_mb):
+    return _on_a_raw_thread(ok.costmodel.ddp_buckets, sizes, bucket_mb)
 
 
 _POOL = []
@@ -772,23 +778,7 @@ def ring_with_the_watch_quieted(tensor):
 
 
 def ring_on_a_raw_thread(tensor):
-    import _thread
-    import threading
-
-    done, err = threading.Event(), []
-
-    def go():
-        try:
-            ok.ddp.ring_all_reduce(tensor, check=False)
-        except BaseException as exc:  # noqa: BLE001
-            err.append(exc)
-        finally:
-            done.set()
-
-    _thread.start_new_thread(go, ())
-    done.wait()
-    if err:
-        raise err[0]
+    _on_a_raw_thread(functools.partial(ok.ddp.ring_all_reduce, check=False), tensor)
 
 
 @pytest.mark.parametrize("fn", [ring_with_the_watch_quieted, ring_on_a_raw_thread])
@@ -840,3 +830,55 @@ def test_lab01s_all_reduce_from_parts_refuses_the_kits_whole_all_reduce(fn):
     report = ok.grading.check_all_reduce(fn, made_of=("reduce_scatter", "all_gather"),
                                          world_sizes=(2,))  # fmt: skip
     _failed_with(report, "the kit's own answer")
+
+
+def _gpipe_shaped_messages(stage, inputs, targets, micro_batches):
+    """The messages lab 08's GPipe step sends, shaped right and carrying nothing useful."""
+    if ok.rank() == 0:
+        chunks = torch.tensor_split(inputs, micro_batches)
+        sends = [ok.p2p.isend(stage(xs).detach(), 1) for xs in chunks]
+        for h in sends:
+            h.wait()
+        for xs in chunks:
+            ok.p2p.recv(torch.empty(len(xs), 16), 1)
+    else:
+        bufs = [torch.empty(len(y), 16) for y in torch.tensor_split(targets, micro_batches)]
+        recvs = [ok.p2p.irecv(b, 0) for b in bufs]
+        sends = []
+        for b, h in zip(bufs, recvs, strict=True):
+            h.wait()
+            stage(b)
+            sends.append(ok.p2p.isend(torch.zeros_like(b), 0))
+        for h in sends:
+            h.wait()
+
+
+def gpipe_grads_from_the_callers_frame(stage, inputs, targets, micro_batches):
+    """Round 3's B2: the check's reference gradients sat in its frame on the rank."""
+    import inspect
+
+    _gpipe_shaped_messages(stage, inputs, targets, micro_batches)
+    held = [f.frame.f_locals.get("want") for f in inspect.stack()[1:]]
+    want = next((w for w in held if isinstance(w, list)), None)
+    for p, g in zip(stage.parameters(), want or [], strict=False):
+        p.grad = g.clone()
+
+
+def gpipe_grads_from_the_old_fixed_batch(stage, inputs, targets, micro_batches):
+    """Each rank rebuilt the whole batch (seed 4) and the model, and took its own gradients."""
+    from overlapkit.grading.pipeline import BATCH, _stages
+
+    _gpipe_shaped_messages(stage, inputs, targets, micro_batches)
+    gen = torch.Generator().manual_seed(4)
+    x, y = torch.randn(BATCH, 6, generator=gen), torch.randn(BATCH, 3, generator=gen)
+    model, first, second = _stages()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    mine = first if ok.rank() == 0 else second
+    for p, q in zip(stage.parameters(), mine.parameters(), strict=True):
+        p.grad = q.grad.clone()
+
+
+@pytest.mark.parametrize("fn", [gpipe_grads_from_the_callers_frame,
+                                gpipe_grads_from_the_old_fixed_batch])  # fmt: skip
+def test_no_rank_holds_lab08s_reference_gradients(fn):
+    _failed_with(ok.grading.check_gpipe_step(fn), "rank 0's 0.weight.grad")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+import secrets
 import time
 
 import torch
@@ -200,20 +201,25 @@ def _rows(tensor) -> int | None:
     return tensor.shape[0] if isinstance(tensor, torch.Tensor) and tensor.dim() else None
 
 
-def _run_step(gpipe_step, m):
+def _batch(seeds: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's inputs and targets, from the seeds the checking process drew: rank 0 is
+    given the first only, rank 1 the second, so neither can rebuild the other's half."""
+    x = torch.randn(BATCH, 6, generator=torch.Generator().manual_seed(seeds[0]))
+    y = torch.randn(BATCH, 3, generator=torch.Generator().manual_seed(seeds[1]))
+    return x, y
+
+
+def _run_step(gpipe_step, m, seed):
+    """On each rank: its stage and its half of the data only (``seed``: rank 0's inputs,
+    rank 1's targets); what is wanted is worked out by the checking process (:func:`_wants`),
+    so that nothing on this rank's stack holds the answer."""
     import overlapkit as ok  # noqa: PLC0415
 
     me = ok.rank()
-    model, first, second = _stages()
-    gen = torch.Generator().manual_seed(4)
-    x, y = torch.randn(BATCH, 6, generator=gen), torch.randn(BATCH, 3, generator=gen)
-    mine = first if me == 0 else second
-    want = _grads(model, mine, x, y, [len(y)])
-    # what two common weighting mistakes give: each micro-batch's mean added as it is,
-    # or divided by m (right only when every micro-batch has the same size)
-    sizes = [len(c) for c in torch.tensor_split(y, m)]
-    unweighted = _grads(model, mine, x, y, sizes)
-    by_m = [g / m for g in unweighted]
+    _, first, second = _stages()
+    gen = torch.Generator().manual_seed(seed)
+    mine = torch.randn(BATCH, 6 if me == 0 else 3, generator=gen)
+    del seed, gen
     stage = first if me == 0 else second
     handles.take_unwaited()
     computes = []
@@ -227,12 +233,25 @@ def _run_step(gpipe_step, m):
 
     stage.forward = timed_forward
     with _Watch() as watch:
-        gpipe_step(stage, x if me == 0 else None, y if me == 1 else None, m)
+        gpipe_step(stage, mine if me == 0 else None, mine if me == 1 else None, m)
     got = [None if p.grad is None else p.grad.clone() for p in stage.parameters()]
     names = [n for n, _ in stage.named_parameters()]
-    return {"got": got, "want": want, "names": names, "sends": watch.sends,
-            "recvs": watch.recvs, "computes": computes, "unwaited": handles.take_unwaited(),
-            "unweighted": unweighted, "by_m": by_m}  # fmt: skip
+    return {"got": got, "names": names, "sends": watch.sends, "recvs": watch.recvs,
+            "computes": computes, "unwaited": handles.take_unwaited()}  # fmt: skip
+
+
+def _wants(results, m: int, seeds: tuple[int, int]) -> None:
+    """In the checking process: each rank's wanted gradients (one device, the whole batch),
+    and what two common weighting mistakes give: each micro-batch's mean added as it is,
+    or divided by m (right only when every micro-batch has the same size)."""
+    with torch.random.fork_rng(devices=[]):  # _stages seeds torch: not the notebook's
+        model, first, second = _stages()
+    x, y = _batch(seeds)
+    sizes = [len(c) for c in torch.tensor_split(y, m)]
+    for (res, _), part in zip(results, (first, second), strict=True):
+        res["want"] = _grads(model, part, x, y, [len(y)])
+        res["unweighted"] = _grads(model, part, x, y, sizes)
+        res["by_m"] = [g / m for g in res["unweighted"]]
 
 
 def _grads(model, part, x, y, sizes) -> list[torch.Tensor]:
@@ -258,12 +277,15 @@ def check_gpipe_step(gpipe_step, micro_batches: int = 4, timeout: float = 30.0) 
     next forward."""
     report = Report("gpipe_step")
     for m in (1, micro_batches, 3):
+        seeds = (secrets.randbits(62), secrets.randbits(62))
         results = run_or_report(report, f"gpipe_step with {m} micro-batch(es) on 2 ranks",
                                 _run_step, gpipe_step, m, world_size=2, timeout=timeout,
                                 link=CHECK_LINK, explain=_explain,
-                                forbid=answers.of("check_gpipe_step"))  # fmt: skip
+                                forbid=answers.of("check_gpipe_step"),
+                                rank_kwargs=[{"seed": seed} for seed in seeds])  # fmt: skip
         if results is None:
             return report
+        _wants(results, m, seeds)
         for rank, (_, traffic) in enumerate(results):
             if traffic.direct:
                 called = ", ".join(sorted(set(traffic.direct)))
