@@ -882,3 +882,26 @@ def gpipe_grads_from_the_old_fixed_batch(stage, inputs, targets, micro_batches):
                                 gpipe_grads_from_the_old_fixed_batch])  # fmt: skip
 def test_no_rank_holds_lab08s_reference_gradients(fn):
     _failed_with(ok.grading.check_gpipe_step(fn), "rank 0's 0.weight.grad")
+
+
+def zero1_from_the_callers_frame(flat_params, flat_grads, shard, optimizer):
+    """Round 3's B2 for lab 04: every rank's gradients and the reference momentum sat in
+    the check's frame on the rank; the counted ReduceScatter and AllGather ran on dummies."""
+    import inspect
+
+    n, me, world = shard.numel(), ok.rank(), ok.world_size()
+    held = [f.frame.f_locals for f in inspect.stack()[1:]]
+    grads = next(
+        (loc["grads"] for loc in held if "grads" in loc), flat_grads[None].repeat(world, 1)
+    )
+    buf = next((loc["buf"] for loc in held if "buf" in loc), torch.zeros_like(flat_grads))
+    avg = grads.mean(0)
+    shard.grad = avg[me * n : (me + 1) * n].clone()
+    optimizer.step()
+    flat_params -= 0.05 * (0.9 * buf + avg)
+    ok.ring_reduce_scatter(torch.zeros(1), torch.zeros(world))
+    ok.ring_all_gather(torch.zeros(world), torch.zeros(1))
+
+
+def test_no_rank_holds_lab04s_other_gradients_or_reference():
+    assert not ok.grading.check_zero1_step(zero1_from_the_callers_frame).all_passed

@@ -11,6 +11,7 @@ itself gathered, a NaN read before a wait, a shard without ``.grad``.
 from __future__ import annotations
 
 import math
+import secrets
 from collections import Counter
 
 import torch
@@ -49,7 +50,11 @@ def _grads_at(model, params, flat, batches, padded):
     return torch.stack(rows)
 
 
-def _run(zero1_step):
+def _run(zero1_step, seed):
+    """On each rank: its own batches only (``seed``, drawn by the checking process and
+    sent to this rank alone), so no rank can average the gradients without the
+    ReduceScatter; the unsharded reference is worked out by the checking process
+    (:func:`_references`), so nothing on this rank's stack holds the answer."""
     import overlapkit as ok  # noqa: PLC0415
 
     me, world = ok.rank(), ok.world_size()
@@ -63,31 +68,21 @@ def _run(zero1_step):
     # SGD with momentum, not Adam: Adam is nearly blind to the gradient's scale, so it
     # could not tell a summed gradient from an averaged one
     optimizer = torch.optim.SGD([shard], lr=LR, momentum=MOMENTUM)
-    # the unsharded reference, on the averaged gradient, computed here without collectives:
-    # every rank draws every rank's batch
-    reference = torch.nn.Parameter(flat_params.clone())
-    plain = torch.optim.SGD([reference], lr=LR, momentum=MOMENTUM)
-    gens = [torch.Generator().manual_seed(10 + r) for r in range(world)]
+    gen = torch.Generator().manual_seed(seed)
+    del seed
     steps = []
     for _ in range(STEPS):
-        batches = [(torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)) for g in gens]
+        batch = (torch.randn(4, 5, generator=gen), torch.randn(4, 3, generator=gen))
         before = flat_params.clone()
-        grads = _grads_at(model, params, flat_params, batches, padded)  # at the learner's params
-        buf = plain.state.get(reference, {}).get("momentum_buffer")
-        buf = torch.zeros(padded) if buf is None else buf.clone()
+        grad = _grads_at(model, params, flat_params, [batch], padded)[0]  # at the learner's
         shard_before = shard.detach().clone()
         with torch.no_grad():
-            zero1_step(flat_params, grads[me].clone(), shard, optimizer)
+            zero1_step(flat_params, grad, shard, optimizer)
         unwaited = handles.take_unwaited()
-        reference.grad = _grads_at(model, params, reference.detach(), batches, padded).mean(0)
-        plain.step()
         steps.append(
             {
                 "before": before,
-                "grads": grads,
-                "buf": buf,
                 "after": flat_params.clone(),
-                "want": reference.detach().clone(),
                 "shard before": shard_before,
                 "shard after": shard.detach().clone(),
                 "shard grad": None if shard.grad is None else shard.grad.detach().clone(),
@@ -96,6 +91,32 @@ def _run(zero1_step):
         )
     state = sum(t.numel() for s in optimizer.state.values() for t in s.values() if t.dim() > 0)
     return {"steps": steps, "state": state, "numel": numel, "n": n}
+
+
+def _references(values: list[dict], seeds: list[int]) -> None:
+    """In the checking process: per step, every rank's gradient at the parameters each
+    rank held (``grads``), the unsharded optimizer's momentum before the step (``buf``) and
+    its parameters after it (``want``), on the averaged gradients."""
+    with torch.random.fork_rng(devices=[]):  # _model seeds torch: not the notebook's
+        model = _model()
+    params = list(model.parameters())
+    world = len(seeds)
+    padded = -(-sum(p.numel() for p in params) // world) * world
+    reference = torch.nn.Parameter(flatten_padded(params, padded).clone())
+    plain = torch.optim.SGD([reference], lr=LR, momentum=MOMENTUM)
+    gens = [torch.Generator().manual_seed(seed) for seed in seeds]
+    for t in range(STEPS):
+        batches = [(torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)) for g in gens]
+        buf = plain.state.get(reference, {}).get("momentum_buffer")
+        buf = torch.zeros(padded) if buf is None else buf.clone()
+        for res in values:
+            step = res["steps"][t]
+            step["grads"] = _grads_at(model, params, step["before"], batches, padded)
+            step["buf"] = buf
+        reference.grad = _grads_at(model, params, reference.detach(), batches, padded).mean(0)
+        plain.step()
+        for res in values:
+            res["steps"][t]["want"] = reference.detach().clone()
 
 
 # --------------------------------------------------------------------------- what went wrong
@@ -319,12 +340,15 @@ def check_zero1_step(zero1_step, world_size: int = 3, timeout: float = 60.0) -> 
     """
     report = Report("zero1_step")
     what = f"zero1_step on {world_size} ranks"
+    seeds = [secrets.randbits(62) for _ in range(world_size)]
     results = run_or_report(report, what, _run, zero1_step, world_size=world_size,
                             timeout=timeout, explain=_explain,
-                            forbid=answers.of("check_zero1_step"))  # fmt: skip
+                            forbid=answers.of("check_zero1_step"),
+                            rank_kwargs=[{"seed": seed} for seed in seeds])  # fmt: skip
     if results is None:
         return report
     values = [res for res, _ in results]
+    _references(values, seeds)
     for res, traffic in results:
         res["gathers"] = any("all_gather" in c for c in traffic.collectives)
     right = _values(report, what, values, world_size)
