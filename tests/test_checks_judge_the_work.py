@@ -905,3 +905,16 @@ def zero1_from_the_callers_frame(flat_params, flat_grads, shard, optimizer):
 
 def test_no_rank_holds_lab04s_other_gradients_or_reference():
     assert not ok.grading.check_zero1_step(zero1_from_the_callers_frame).all_passed
+
+
+def buckets_from_the_callers_frame(sizes, bucket_mb):
+    """Round 3's B1 (a notebook's single-process check): the check's `want` sat in its
+    frame while the learner's function ran."""
+    import inspect
+
+    held = [f.frame.f_locals.get("want") for f in inspect.stack()[1:]]
+    return next((w for w in held if isinstance(w, list)), [[i] for i in range(len(sizes))])
+
+
+def test_lab07s_wanted_buckets_are_not_on_the_stack_while_the_learner_runs():
+    assert not ok.grading.check_assign_buckets(buckets_from_the_callers_frame).all_passed

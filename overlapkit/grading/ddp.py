@@ -508,7 +508,6 @@ def check_assign_buckets(assign_buckets) -> Report:
     """
     report = Report("assign_buckets")
     for what, sizes, mb in BUCKET_CASES:
-        want = ddp_buckets(sizes, mb)
         try:
             ran, got = call_or_report(report, what, assign_buckets, list(sizes), mb,
                                       forbid=answers.of("check_assign_buckets"))  # fmt: skip
@@ -516,6 +515,7 @@ def check_assign_buckets(assign_buckets) -> Report:
             return report
         if not ran:
             continue
+        want = ddp_buckets(sizes, mb)  # after the call: nothing on its stack holds the answer
         if isinstance(got, tuple):
             got = list(got)
         if isinstance(got, list) and all(isinstance(b, (list, tuple)) for b in got):
