@@ -4,9 +4,9 @@ A torch optimizer's first ``step()`` imports ``torch._dynamo`` (and with it symp
 parts of inductor: some 900 modules, ~2.5 s of one core). Paid inside every rank of
 every launch, that is seconds per launch on a 2-core laptop; paid under the grading
 watch (a profile function sees every call), it took over 30 s beside a CPU hog. So the
-forkserver that forks the ranks does it once (``overlapkit._rank`` calls
-:func:`warm_torch` when it is preloaded) and a check's own process does it before it
-starts a watch; the ranks inherit it.
+forkserver that forks the ranks does it once (its preload, ``overlapkit._preload``, calls
+:func:`warm_torch`; the ranks inherit it), and a check's own process does it before it
+starts a watch where the learner's code may run in it (not in the grader's judge).
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 
+from ..grading.witness import NOTES
 from ..launcher import PRELOAD
 from .labs import Exercise
 from .processes import descendants, end_new_processes
@@ -68,7 +69,7 @@ check, folder = sys.argv[2], sys.argv[3]
 names, kwargs, shown = json.loads(sys.argv[4]), json.loads(sys.argv[5]), json.loads(sys.argv[6])
 try:  # what the grader's witness saw the notebook measure, as plain data (records)
     from overlapkit.grading import records
-    with open(os.path.join(folder, "__notes__.pt"), "rb") as f:  # the witness's (kernel.NOTES)
+    with open(os.path.join(folder, @NOTES@), "rb") as f:
         records.restore(plaindata.loads(f.read()))
 except Exception:
     pass
@@ -87,7 +88,9 @@ for n in names:
 report = getattr(ok.grading, check)(*objs, **kwargs)
 out.write(json.dumps({"secret": secret, "report": report.to_dict()}) + "\n")
 out.close()
-""".replace("@PRELOAD@", repr(PRELOAD)).replace("@LIGHT@", repr(sorted(LIGHT)))
+"""
+for _name, _value in (("@PRELOAD@", PRELOAD), ("@LIGHT@", sorted(LIGHT)), ("@NOTES@", NOTES)):
+    _RUNNER = _RUNNER.replace(_name, repr(_value))
 
 
 def run_check(ex: Exercise, folder: str, limit: float, shown: dict | None = None) -> dict | str:

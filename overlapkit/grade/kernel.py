@@ -23,12 +23,11 @@ from pathlib import Path
 
 import nbformat
 
-from ..grading.witness import Witness
+from ..grading.witness import NOTES, Witness
 from .labs import _is_check_cell
 from .processes import descendants, end_new_processes
 
 MARK = "@@overlapkit-grade@@"
-NOTES = "__notes__.pt"  # what the witness saw measured, for the judge (plain data)
 GRACE_S = 15.0  # after an interrupt, before the kernel's process group is killed (a loaded
 # machine can take seconds to deliver it: an import in C code does not see it)
 AFTER_HANG_S = 10.0  # the limit of every cell after one that had to be interrupted

@@ -322,9 +322,9 @@ def _refusal(label: str, free: int) -> types.CodeType:
     return _refusals[key]
 
 
-def _answer_functions(names) -> list[tuple[types.FunctionType, str]]:
-    """The functions whose code answers ``names`` (see :func:`code_objects`), each once."""
-    codes = code_objects(names)
+def _answer_functions(names, codes: dict) -> list[tuple[types.FunctionType, str]]:
+    """The functions whose code answers ``names`` (``codes``: their :func:`code_objects`),
+    each once."""
     found, seen = [], set()
     for dotted in (n for n in names if not n.startswith("!")):
         for fn in _functions(_resolve(dotted)):
@@ -335,11 +335,11 @@ def _answer_functions(names) -> list[tuple[types.FunctionType, str]]:
 
 
 @contextlib.contextmanager
-def _disarmed(names):
+def _disarmed(names, codes: dict):
     """The answers' functions refuse to run while the block runs (module docstring)."""
     swapped = []
     try:
-        for fn, label in _answer_functions(names):
+        for fn, label in _answer_functions(names, codes):
             original = fn.__code__
             fn.__code__ = _refusal(label, len(original.co_freevars))
             swapped.append((fn, original))
@@ -364,13 +364,14 @@ def running(names):
         warmup.warm_torch()  # ranks, which have it): torch's start-up before the watch
     before, before_threads = sys.getprofile(), threading.getprofile()
     counter = itertools.count()
-    watch = _watch(code_objects(names), ran, before, counter)
+    codes = code_objects(names)
+    watch = _watch(codes, ran, before, counter)
     _open.append(ran)
     sys.setprofile(watch)
     threading.setprofile(watch)
     try:
         # a sealed student function called meanwhile is watched on its own rank the same way
-        with _disarmed(names), sealed.watching(("answers", tuple(names)), ran):
+        with _disarmed(names, codes), sealed.watching(("answers", tuple(names)), ran):
             yield ran
     finally:
         _open.remove(ran)

@@ -32,6 +32,9 @@ import time
 
 #: the checks that ask what the notebook measured: the grader starts a witness for their labs
 WITNESSED = frozenset({"check_tuning"})
+#: the file, in the grader's folder for a notebook, that holds the witness's notes for
+#: the judge (plain data)
+NOTES = "__notes__.pt"
 #: the environment variable that tells a lab's measuring helper where the witness listens
 ENV = "OVERLAPKIT_WITNESS"
 REQUEST_LIMIT = 64 * 1024  # bytes of one request: a configuration is a few dozen
