@@ -63,9 +63,10 @@ class LaunchError(RuntimeError):
 class RankFailedError(LaunchError):
     """A rank died (crash, signal, os._exit) or raised an exception that cannot be rebuilt here."""
 
-    def __init__(self, message: str, rank: int | None = None):
+    def __init__(self, message: str, rank: int | None = None, died: bool = False):
         super().__init__(message)
         self.rank = rank
+        self.died = died  # the process ended (crash, signal, os._exit), it did not raise
 
 
 class LaunchTimeoutError(LaunchError, TimeoutError):
@@ -623,7 +624,9 @@ def _rebuild_failure(outcome: _Outcome, world: int, logs=()) -> BaseException:
         )
         said = last_words(logs[rank]) if rank < len(logs) else ""
         why = f"; its last words: {said}" if said else ""
-        error = RankFailedError(f"rank {rank} of {world} {how} before returning{why}", rank)
+        error = RankFailedError(
+            f"rank {rank} of {world} {how} before returning{why}", rank, died=True
+        )
         error.last_words = said
         return error
     _, exc_bytes, type_name, text, frames, chained = message

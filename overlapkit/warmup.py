@@ -7,18 +7,27 @@ watch (a profile function sees every call), it took over 30 s beside a CPU hog. 
 forkserver that forks the ranks does it once (its preload, ``overlapkit._preload``, calls
 :func:`warm_torch`; the ranks inherit it), and a check's own process does it before it
 starts a watch where the learner's code may run in it (not in the grader's judge).
+
+A judge whose check builds no optimizer on its ranks (``overlapkit.grade.judge.LIGHT``)
+sets ``OVERLAPKIT_NO_WARMUP``: its ranks then skip the warm-up too (each call of a
+single-process exercise runs on a rank of its own: 2.5 s each, 13 s for one check).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+#: set (to anything) where the warm-up costs more than it saves
+SKIP = "OVERLAPKIT_NO_WARMUP"
 
 _done: list = []
 
 
 def warm_torch() -> None:
     """Run an optimizer step of SGD and of Adam once in this process (idempotent)."""
-    if _done:
+    if _done or os.environ.get(SKIP):
         return
     _done.append(True)
     p = torch.nn.Parameter(torch.zeros(1))

@@ -235,32 +235,38 @@ def test_a_same_size_edit_with_its_modification_time_put_back_is_still_noticed(t
         _grade(tmp_path, labs, notebook(ONE_F_ONE_B, ASSIGN, extra=[sneak]))
 
 
-def _bytes_by_the_kit(collective, nbytes, world):
+def _in_a_notebook(source: str):
+    """The function ``source`` defines, as a notebook's cell would (in ``__main__``): it
+    pickles by value, so a rank does not import this test module to run it."""
+    names = {"__name__": "__main__"}
+    exec(compile(source, "<student>", "exec"), names)
+    return next(v for k, v in names.items() if k != "__name__" and callable(v))
+
+
+_BYTES_BY_THE_KIT = """def bytes_moved(collective, nbytes, world):
     from overlapkit.costmodel import bytes_moved_per_rank as count  # bound early, renamed
+    return count(collective, nbytes, world)"""
 
-    return count(collective, nbytes, world)
-
-
-def _buckets_by_the_kit(sizes, bucket_mb):
+_BUCKETS_BY_THE_KIT = """def assign_buckets(sizes, bucket_mb):
     import overlapkit.costmodel as cm
-
-    return cm.ddp_buckets(sizes, bucket_mb)
+    return cm.ddp_buckets(sizes, bucket_mb)"""
 
 
 @pytest.mark.parametrize(
-    "check, fn, words",
+    "check, source, words",
     [
-        ("check_bytes_moved", _bytes_by_the_kit, "ok.costmodel.bytes_moved_per_rank"),
-        ("check_assign_buckets", _buckets_by_the_kit, "ok.costmodel.ddp_buckets"),
+        ("check_bytes_moved", _BYTES_BY_THE_KIT, "ok.costmodel.bytes_moved_per_rank"),
+        ("check_assign_buckets", _BUCKETS_BY_THE_KIT, "ok.costmodel.ddp_buckets"),
     ],
 )
-def test_the_kits_own_answer_under_another_name_scores_zero_also_in_the_judge(check, fn, words):
+def test_the_kits_own_answer_under_another_name_scores_zero_also_in_the_judge(check, source, words):
     """In a notebook (in-process) and as the judge holds it (sealed, called on a rank)."""
     import cloudpickle
 
     import overlapkit as ok
     from overlapkit.grading.sealed import Sealed
 
+    fn = _in_a_notebook(source)
     for learner in (fn, Sealed(fn.__name__, cloudpickle.dumps(fn))):
         with plaindata.distrust():
             report = getattr(ok.grading, check)(learner)
@@ -318,3 +324,51 @@ def test_the_witness_refuses_a_configuration_the_lab_does_not_take_and_goes_on()
             with pytest.raises(RuntimeError, match=words):  # sent as is: the witness says it
                 witness.ask(lab10.NOTED, bad)
         assert w.notes() == {}
+
+
+def test_the_ranks_of_a_check_that_builds_no_optimizer_skip_torchs_warm_up(tmp_path):
+    """Each call of a single-process exercise runs on a rank of its own: a judge of a
+    ``judge.LIGHT`` check must not pay torch's 2.5 s warm-up in each (13 s for one check,
+    and a 10 s limit missed under load)."""
+    import cloudpickle
+
+    from overlapkit.grade.judge import LIGHT
+
+    assert "check_assign_buckets" in LIGHT
+    folder, seen = tmp_path / "saved", tmp_path / "seen.json"
+    folder.mkdir()
+    source = (
+        "def assign_buckets(sizes, bucket_mb):\n"
+        "    import json, sys\n"
+        f"    open({str(seen)!r}, 'w').write(json.dumps('torch._dynamo' in sys.modules))\n"
+        + "\n".join(ASSIGN.splitlines()[1:])
+    )
+    (folder / "assign_buckets.pkl").write_bytes(cloudpickle.dumps(_in_a_notebook(source)))
+    ex = Exercise("check_assign_buckets", ["assign_buckets"], {}, "", points=3.0)
+    report = run_check(ex, str(folder), limit=120)
+    assert isinstance(report, dict) and report["score"] == 1.0, report["cases"][:1]
+    assert json.loads(seen.read_text()) is False  # the rank never imported torch._dynamo
+
+
+def test_a_function_that_ends_its_rank_is_not_called_again_case_after_case(tmp_path):
+    """A forger that writes over its rank's descriptors (or any function that ends its
+    process) costs one call, not a new process and forkserver per case."""
+    import cloudpickle
+
+    import overlapkit as ok
+    from overlapkit.grading.sealed import Sealed
+
+    calls = tmp_path / "calls"
+    fn = _in_a_notebook(
+        "def assign_buckets(sizes, bucket_mb):\n"
+        "    import os\n"
+        f"    open({str(calls)!r}, 'a').write('x')\n"
+        "    os._exit(3)"
+    )
+    with plaindata.distrust():
+        report = ok.grading.check_assign_buckets(Sealed(fn.__name__, cloudpickle.dumps(fn)))
+    assert report.score == 0 and len(report.cases) > 2, report.cases
+    assert "exited with code 3 before returning" in report.cases[0][1], report.cases[0]
+    for _, message in report.cases[1:]:
+        assert "ended its process in an earlier case" in message and "not called again" in message
+    assert calls.read_text() == "x"

@@ -168,7 +168,7 @@ MISTAKES = {
     ),
     zero1_torch_all_reduce: ("rank 0 called torch.distributed.all_reduce",),
     zero1_grad_never_set: (
-        "The optimizer never saw a gradient: rank 2's shard parameter has no .grad",
+        "The optimizer never saw a gradient: rank 0's shard parameter has no .grad",
         "Set shard.grad to this rank's reduced slice of the gradient before optimizer.step()",
     ),
     zero1_divides_by_two: (
@@ -177,11 +177,11 @@ MISTAKES = {
     ),
     zero1_sums: ("after step 1", "about N = 3: the gradients were summed, not averaged"),
     zero1_wrong_shard: (
-        "Rank 2's optimizer stepped on the averaged gradient of rank 0's slice (elements 0…21)",
-        "not of its own (44…65)",
+        "Rank 0's optimizer stepped on the averaged gradient of rank 1's slice (elements 22…43)",
+        "not of its own (0…21)",
     ),
     zero1_own_gradient_only: (
-        "The update there is rank 2's own gradient, not reduced over the ranks",
+        "The update there is rank 0's own gradient, not reduced over the ranks",
         "Reduce-scatter the gradients",
     ),
     zero1_gathers_the_gradient: (

@@ -31,6 +31,7 @@ import threading
 
 from ..grading.witness import NOTES
 from ..launcher import PRELOAD
+from ..warmup import SKIP
 from .labs import Exercise
 from .processes import descendants, end_new_processes
 
@@ -42,7 +43,7 @@ LIGHT = frozenset({"check_fit_alpha_beta", "check_bytes_moved", "check_memory_pe
                    "check_all_reduce"})  # fmt: skip
 
 _RUNNER = r"""
-import ctypes, sys
+import ctypes, os, sys
 try:  # first: PR_SET_DUMPABLE 0, no other process of this user may open our fds or memory
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
 except Exception:
@@ -56,10 +57,13 @@ sys.path[:] = [p for p in sys.path if p not in ("", ".")]  # no folder of the st
 import multiprocessing
 from multiprocessing import forkserver
 # (torch's warm-up in it only where the check's ranks build an optimizer: judge.LIGHT)
-preload = ["overlapkit._rank"] if sys.argv[2] in @LIGHT@ else @PRELOAD@
+light = sys.argv[2] in @LIGHT@
+preload = ["overlapkit._rank"] if light else @PRELOAD@
+if light:  # and not in each of its ranks either (they inherit this environment)
+    os.environ[@SKIP@] = "1"
 multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
 forkserver.ensure_running()
-import json, os
+import json
 import overlapkit as ok  # the kit first, before anything the notebook left
 from overlapkit import plaindata
 from overlapkit.grading.sealed import Sealed
@@ -89,7 +93,12 @@ report = getattr(ok.grading, check)(*objs, **kwargs)
 out.write(json.dumps({"secret": secret, "report": report.to_dict()}) + "\n")
 out.close()
 """
-for _name, _value in (("@PRELOAD@", PRELOAD), ("@LIGHT@", sorted(LIGHT)), ("@NOTES@", NOTES)):
+for _name, _value in (
+    ("@PRELOAD@", PRELOAD),
+    ("@LIGHT@", sorted(LIGHT)),
+    ("@NOTES@", NOTES),
+    ("@SKIP@", SKIP),
+):
     _RUNNER = _RUNNER.replace(_name, repr(_value))
 
 

@@ -361,7 +361,7 @@ def running(names):
         yield ran
         return
     if plaindata.trusting():  # the learner's code may run here (in a judge it runs on
-        warmup.warm_torch()  # ranks, which have it): torch's start-up before the watch
+        warmup.warm_torch()  # ranks): torch's start-up before the watch, once per process
     before, before_threads = sys.getprofile(), threading.getprofile()
     counter = itertools.count()
     codes = code_objects(names)

@@ -242,6 +242,17 @@ def _explain(text: str) -> str:
     return ""
 
 
+def _first_wrong_shard(diff, n: int) -> int | None:
+    """The worst element of the lowest-numbered shard that is off: the message then names
+    the same shard every run (the batches are drawn afresh each time, and the worst element
+    of the whole vector wanders from shard to shard)."""
+    for lo in range(0, diff.numel(), n):
+        i = worst_element(diff[lo : lo + n])
+        if i is not None:
+            return lo + i
+    return None
+
+
 def _values(report: Report, what: str, results, world: int) -> bool:
     for rank, res in enumerate(results):
         unwaited = [u for s in res["steps"] for u in s["unwaited"]]
@@ -259,7 +270,7 @@ def _values(report: Report, what: str, results, world: int) -> bool:
         for rank, res in enumerate(results):
             step = res["steps"][t]
             got, want = step["after"][:numel], step["want"][:numel]
-            i = worst_element((got - want).abs())
+            i = _first_wrong_shard((got - want).abs(), res["n"])
             if i is None:
                 continue
             hint = _update_hint(results, rank, t, i, world)

@@ -39,6 +39,7 @@ class Sealed:
         self.name, self.data = name, data
         self.__name__ = self.__qualname__ = shown or name
         self.hung: float | None = None  # the limit of a call that did not return
+        self.crashed: str | None = None  # how a call's rank ended without returning
 
     def __reduce__(self):
         # what travels to a rank is the student's own pickle: there it is the object again
@@ -72,11 +73,19 @@ def call(fn, *args, timeout: float = CALL_TIMEOUT_S, **kwargs):
     ``except NotImplementedError`` still works; a call that does not return within
     ``timeout`` seconds raises :class:`TimeoutError`.
     """
-    from ..launcher import LaunchTimeoutError, dumps_keeping_filenames, launch  # noqa: PLC0415
+    from ..launcher import (  # noqa: PLC0415
+        LaunchTimeoutError,
+        RankFailedError,
+        dumps_keeping_filenames,
+        launch,
+    )
 
     name = getattr(fn, "__name__", "the function")
     if getattr(fn, "hung", None) is not None:  # one hang is enough to wait for, not one per case
         raise TimeoutError(f"{name}() did not return within {fn.hung:g} s in an earlier case: "
+                           "not called again")  # fmt: skip
+    if getattr(fn, "crashed", None) is not None:  # it took its rank down: once is enough
+        raise RuntimeError(f"{name}() ended its process in an earlier case ({fn.crashed}): "
                            "not called again")  # fmt: skip
     watched = list(_watching)
     try:
@@ -93,6 +102,10 @@ def call(fn, *args, timeout: float = CALL_TIMEOUT_S, **kwargs):
         if isinstance(fn, Sealed):
             fn.hung = timeout
         raise TimeoutError(f"{name}() did not return within {timeout:g} s") from None
+    except RankFailedError as exc:
+        if isinstance(fn, Sealed) and exc.died:  # its process ended: it did not raise
+            fn.crashed = str(exc)
+        raise
     for (_, into), got in zip(watched, _as_lists(seen, len(watched)), strict=True):
         into.extend(got)
     return value
