@@ -65,6 +65,13 @@ def dumps(value) -> bytes:
     def to_cpu(v):
         if isinstance(v, torch.Tensor) and v.device.type not in ("cpu", "meta"):
             return v.detach().cpu()
+        if type(v).__module__.split(".")[0] == "numpy":  # NumPy's numbers and arrays, as
+            import numpy as np  # noqa: PLC0415 - torch's: np.linalg.lstsq's fit is a fit
+
+            if isinstance(v, np.generic):
+                return v.item()
+            if isinstance(v, np.ndarray):
+                return torch.as_tensor(v) if v.dtype.kind in "biuf" else _map(v.tolist(), to_cpu)
         return v
 
     buf = io.BytesIO()

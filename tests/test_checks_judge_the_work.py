@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 
 import pytest
 import torch
@@ -142,9 +143,25 @@ def bytes_from_the_kits_count(collective, nbytes, world):
     return count(collective, nbytes, world)
 
 
-@pytest.mark.parametrize("fn", [bytes_from_the_time_model, bytes_from_the_kits_count])
-def test_the_kits_formulas_fail_lab01s_byte_count(fn):
-    _failed_with(ok.grading.check_bytes_moved(fn), "the kit's own answer")
+def bytes_from_the_bus_bandwidth_factors(collective, nbytes, world):
+    """Red team round 3 (A8): the cost model's table of nccl-tests' factors."""
+    return ok.costmodel.BUSBW_FACTOR[collective](world) * nbytes
+
+
+def bytes_from_halving_doubling(collective, nbytes, world):
+    """Red team round 3 (A8): Rabenseifner's time with α = 0, β = 1 is the ring's bytes."""
+    whole = ok.costmodel.halving_doubling_all_reduce(nbytes, world, 0.0, 1.0)
+    return whole if collective == "all_reduce" else whole / 2
+
+
+@pytest.mark.parametrize("fn, words", [
+    (bytes_from_the_time_model, "the kit's own answer"),
+    (bytes_from_the_kits_count, "the kit's own answer"),
+    (bytes_from_the_bus_bandwidth_factors, "ok.costmodel.BUSBW_FACTOR['all_reduce']"),
+    (bytes_from_halving_doubling, "ok.costmodel.halving_doubling_all_reduce,"),
+])  # fmt: skip
+def test_the_kits_formulas_fail_lab01s_byte_count(fn, words):
+    _failed_with(ok.grading.check_bytes_moved(fn), words)
 
 
 def buckets_from_a_default(sizes, bucket_mb, _kit=ok.costmodel.ddp_buckets):
@@ -497,7 +514,7 @@ def sum_on_a_hidden_group_with_decoy_ring_messages(tensor):
                                 sum_on_a_hidden_group_with_decoy_ring_messages])  # fmt: skip
 def test_a_group_made_outside_torchs_registry_is_still_a_built_in(fn):
     _failed_with(ok.grading.check_all_reduce(fn, pattern="ring", world_sizes=(2,)),
-                 "called on a process group directly")  # fmt: skip
+                 "a check's ranks open no new connections")  # fmt: skip
 
 
 def own_pieces_round_the_ring(tensor):
@@ -716,6 +733,12 @@ _POOL = []
 
 
 def buckets_on_a_pool_started_before_the_check(sizes, bucket_mb):
+    """The notebook's pool is not where the check runs the function (a rank of its own):
+    there it takes a pool of its own, whose thread starts under the watch."""
+    if not _POOL:
+        import concurrent.futures
+
+        _POOL.append(concurrent.futures.ThreadPoolExecutor(1))
     return _POOL[0].submit(ok.costmodel.ddp_buckets, sizes, bucket_mb).result()
 
 
@@ -766,7 +789,10 @@ def test_the_kits_answer_refuses_to_run_where_the_watch_does_not_reach(fn):
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pool.submit(lambda: None).result()  # its thread starts before the check's watch
         _POOL[:] = [pool]
-        report = ok.grading.check_assign_buckets(fn)
+        try:
+            report = ok.grading.check_assign_buckets(fn)
+        finally:
+            _POOL.clear()
     _failed_with(report, "ok.costmodel.ddp_buckets")
     # and the kit's function works again once the check is over
     assert ok.costmodel.ddp_buckets([4, 4], 8 / 2**20) == [[0, 1]]
@@ -918,3 +944,286 @@ def buckets_from_the_callers_frame(sizes, bucket_mb):
 
 def test_lab07s_wanted_buckets_are_not_on_the_stack_while_the_learner_runs():
     assert not ok.grading.check_assign_buckets(buckets_from_the_callers_frame).all_passed
+
+
+def _average_into(model, flat):
+    at = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(flat[at : at + p.numel()].view_as(p) / ok.world_size())
+            at += p.numel()
+
+
+def average_on_a_hidden_group_through_a_partial(model):
+    """Red team round 3 (D): a C callable calling C shows the watch no event at all."""
+    import functools
+
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    functools.partial(_hidden_group().allreduce, [flat])().wait()
+    _average_into(model, flat)
+
+
+def average_on_a_hidden_group_through_a_methodcaller(model):
+    import operator
+
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    operator.methodcaller("allreduce", [flat])(_hidden_group()).wait()
+    _average_into(model, flat)
+
+
+def average_through_the_store(model):
+    """The parameters moved through the default group's store: no socket of its own, no
+    message of the kit's."""
+    import pickle
+
+    store = dist.PrefixStore("by-the-store", c10d._get_default_store())
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    store.set(str(ok.rank()), pickle.dumps(flat.tolist()))
+    total = sum(torch.tensor(pickle.loads(store.get(str(r)))) for r in range(ok.world_size()))
+    _average_into(model, total)
+
+
+def average_with_a_ring_of_a_quarter_and_the_rest_through_the_store(model):
+    import pickle
+
+    store = dist.PrefixStore("by-the-store", c10d._get_default_store())
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    quarter = flat.numel() // 4
+    ok.ring_all_reduce(flat[:quarter])
+    store.set(str(ok.rank()), pickle.dumps(flat[quarter:].tolist()))
+    rest = sum(torch.tensor(pickle.loads(store.get(str(r)))) for r in range(ok.world_size()))
+    flat[quarter:] = rest
+    _average_into(model, flat)
+
+
+@pytest.mark.parametrize(
+    "fn, words",
+    [
+        (average_on_a_hidden_group_through_a_partial, "open no new connections"),
+        (average_on_a_hidden_group_through_a_methodcaller, "open no new connections"),
+        (average_through_the_store, "averaged by another door"),
+        (average_with_a_ring_of_a_quarter_and_the_rest_through_the_store,
+         "averaged by another door"),
+    ],
+)  # fmt: skip
+def test_lab09s_mean_by_a_group_of_its_own_fails_however_it_is_called(fn, words):
+    _failed_with(ok.grading.check_average_parameters(fn), words)
+
+
+def average_with_kit_messages_to_the_root(model):
+    """An honest average by the learner's own ok.p2p messages (a root), not the kit's ring."""
+    me, n = ok.rank(), ok.world_size()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    if me == 0:
+        got = torch.empty_like(flat)
+        for r in range(1, n):
+            ok.p2p.recv(got, r)
+            flat += got
+        for r in range(1, n):
+            ok.p2p.send(flat, r)
+    else:
+        ok.p2p.send(flat, 0)
+        ok.p2p.recv(flat, 0)
+    _average_into(model, flat)
+
+
+def average_with_the_kits_ring_per_parameter(model):
+    for p in model.parameters():
+        with torch.no_grad():
+            ok.ring_all_reduce(p.data, op="avg")
+
+
+@pytest.mark.parametrize(
+    "fn", [average_with_kit_messages_to_the_root, average_with_the_kits_ring_per_parameter]
+)
+def test_lab09s_mean_through_the_kit_passes_by_ring_or_by_messages(fn):
+    report = ok.grading.check_average_parameters(fn)
+    assert report.all_passed, report.cases
+
+
+def chunked_moe_from_what_the_rank_holds(x, expert_of, expert, chunks):
+    """Red team round 3: every expert (seed 40) and every token's output were on each rank.
+    Counts what the check's frames and torch's old seed give: the rank's own expert only."""
+    import inspect
+
+    held = [f.frame.f_locals for f in inspect.stack()[1:]]
+    linears = {id(v): v for loc in held for v in loc.values() if isinstance(v, torch.nn.Linear)}
+    lists = [v for loc in held for v in loc.values() if isinstance(v, list)
+             and any(isinstance(e, torch.nn.Linear) for e in v)]  # fmt: skip
+    outputs = [v for loc in held for v in loc.values() if isinstance(v, torch.Tensor)
+               and v.dim() == 3 and v.shape[0] == len(x)]  # fmt: skip
+    torch.manual_seed(40)
+    rebuilt = torch.nn.Linear(x.shape[1], x.shape[1])
+    same = torch.equal(rebuilt.weight, expert.weight)
+    raise RuntimeError(
+        f"found {len(linears)} expert(s), {len(lists)} list(s) of experts, "
+        f"{len(outputs)} outputs of every expert, seed 40 rebuilt mine: {same}"
+    )
+
+
+def test_no_rank_holds_lab11s_other_experts_or_their_outputs():
+    _failed_with(ok.grading.check_chunked_moe(chunked_moe_from_what_the_rank_holds),
+                 "found 1 expert(s), 0 list(s) of experts, 0 outputs of every expert, seed 40 "
+                 "rebuilt mine: False")  # fmt: skip
+
+
+# ------------------------------------------- single-process exercises run on a rank of their own
+
+
+def memory_by_patching_the_report(n_params, world_size, optimizer="adam", zero1=True):
+    """Red team round 3 (E): reach the check's Report through the frames, turn fail into ok."""
+    f = sys._getframe(1)
+    while f is not None and not isinstance(f.f_locals.get("report"), ok.grading.Report):
+        f = f.f_back
+    report = f.f_locals["report"]
+    report.fail = report.ok
+    return {"params": 0, "grads": 0, "optimizer_state": 0}
+
+
+def memory_by_patching_every_report(n_params, world_size, optimizer="adam", zero1=True):
+    import gc
+
+    for obj in gc.get_objects():
+        if isinstance(obj, ok.grading.Report):
+            obj.fail = obj.ok
+    return {"params": 0, "grads": 0, "optimizer_state": 0}
+
+
+@pytest.mark.parametrize("fn", [memory_by_patching_the_report, memory_by_patching_every_report])
+def test_a_single_process_exercise_cannot_reach_the_checks_report(fn):
+    report = ok.grading.check_memory_per_rank(fn)
+    assert report.score == 0, report.cases
+
+
+class _Agreeable(str):
+    def __eq__(self, other):
+        return True
+
+    def __ne__(self, other):
+        return False
+
+    __hash__ = str.__hash__
+
+
+def schedule_of_agreeable_strings(stages, micro_batches):
+    """Red team round 3 (E): a str whose == always agrees, in the schedule's shape."""
+    return [[_Agreeable("F0")] * (2 * micro_batches) for _ in range(stages)]
+
+
+def schedule_read_from_the_checks_frames(stages, micro_batches):
+    """Red team round 3 (B1, in a notebook): the wanted schedules were in the check's frame."""
+    f = sys._getframe(1)
+    while f is not None:
+        for value in f.f_locals.values():
+            if isinstance(value, dict) and (stages, micro_batches) in value:
+                return [list(map(str, s)) for s in value[(stages, micro_batches)]]
+        f = f.f_back
+    return []
+
+
+@pytest.mark.parametrize("fn", [schedule_of_agreeable_strings,
+                                schedule_read_from_the_checks_frames])  # fmt: skip
+def test_a_schedule_that_is_not_worked_out_fails_lab08_in_a_notebook_too(fn):
+    report = ok.grading.check_1f1b_schedule(fn)
+    assert report.passed == 0, report.cases
+
+
+def fit_read_from_the_checks_frames(sizes, times):
+    """Red team round 3 (B1, in a notebook): the link's α and β were in the check's frame."""
+    f = sys._getframe(1)
+    while f is not None:
+        if "alpha" in f.f_locals and "beta" in f.f_locals:
+            return f.f_locals["alpha"], f.f_locals["beta"]
+        f = f.f_back
+    return 0.0, 0.0
+
+
+def test_the_fits_link_is_nowhere_a_learners_function_can_read_it():
+    report = ok.grading.check_fit_alpha_beta(fit_read_from_the_checks_frames)
+    assert report.passed == 0, report.cases
+
+
+def fit_with_numpy_floats(sizes, times):
+    import numpy as np
+
+    t = np.asarray(times)
+    design = np.stack([1 / t, np.asarray(sizes, dtype=float) / t], axis=1)
+    (a, b), *_ = np.linalg.lstsq(design, np.ones(len(t)), rcond=None)
+    return a, b  # NumPy's float64, not Python's float
+
+
+def test_a_fit_that_returns_numpy_floats_passes_though_it_runs_on_a_rank():
+    report = ok.grading.check_fit_alpha_beta(fit_with_numpy_floats)
+    assert report.all_passed, report.cases
+
+
+def bytes_moved_that_prints(collective, nbytes, world):
+    print(f"debugging {collective} {world}")
+    return (2 if collective == "all_reduce" else 1) * (world - 1) / world * nbytes
+
+
+def test_what_a_learners_function_prints_is_shown_in_the_notebook(capfd):
+    report = ok.grading.check_bytes_moved(bytes_moved_that_prints)
+    assert report.all_passed, report.cases
+    assert "debugging all_reduce 4" in capfd.readouterr().out
+
+
+def test_a_function_that_cannot_be_sent_to_a_rank_is_told_why():
+    import threading
+
+    lock = threading.Lock()
+
+    def bytes_moved(collective, nbytes, world):
+        with lock:
+            return 0
+
+    report = ok.grading.check_bytes_moved(bytes_moved)
+    assert not report.all_passed
+    assert "cannot be sent to the process the check runs it in" in report.cases[0][1], report.cases
+
+
+# ---------------------------------- red team round 4: no channel between ranks but the kit's
+
+
+def _group_through_a_partial(op, outputs, inputs):
+    """A gloo group of the learner's own, its operation called through a partial of the
+    class's method (no profiler event) — the red team's round 4 channel."""
+    pg = _hidden_group()
+    return functools.partial(getattr(type(pg), op), pg)(outputs, inputs).wait()
+
+
+def ring_by_a_hidden_allgather(tensor):
+    flat = tensor.view(-1)
+    outs = [torch.empty_like(flat) for _ in range(ok.world_size())]
+    _group_through_a_partial("allgather", [outs], [flat.clone()])
+    flat.copy_(sum(outs))
+
+
+def ag_matmul_by_a_hidden_allgather(x, weight):
+    outs = [torch.empty_like(x) for _ in range(ok.world_size())]
+    _group_through_a_partial("allgather", [outs], [x.clone()])
+    return torch.cat(outs) @ weight.t()
+
+
+@pytest.mark.parametrize("check, fn", [
+    (lambda fn: ok.grading.check_all_reduce(fn, pattern="ring", world_sizes=(2,)),
+     ring_by_a_hidden_allgather),
+    (ok.grading.check_ag_matmul, ag_matmul_by_a_hidden_allgather),
+])  # fmt: skip
+def test_a_process_group_of_the_learners_own_cannot_be_made_on_a_checks_rank(check, fn):
+    _failed_with(check(fn), "Operation not permitted", "a check's ranks open no new connections")
+
+
+def bytes_moved_asked_of_a_server(collective, nbytes, world):
+    """A single-process exercise that asks another process (the notebook's, where the
+    kit's answer runs unwatched) for its answer."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", 9)) as conn:
+        conn.sendall(repr((collective, nbytes, world)).encode())
+        return float(conn.recv(64))
+
+
+def test_a_single_process_exercise_cannot_ask_another_process_for_its_answer():
+    _failed_with(ok.grading.check_bytes_moved(bytes_moved_asked_of_a_server),
+                 "PermissionError", "a check's ranks open no new connections")  # fmt: skip

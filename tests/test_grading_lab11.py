@@ -432,7 +432,9 @@ def test_the_chunked_moe_solutions_pass(edits):
                 ),
             ],
             (
-                "chunk 0's dispatch sent token 0 (expert 1) in block 0, which goes to rank 0",
+                # which token comes first out of order depends on the tokens, drawn afresh
+                "chunk 0's dispatch sent token ",
+                "which goes to rank ",
                 "send the chunk's tokens sorted by expert",
             ),
         ),

@@ -55,10 +55,23 @@ def run_or_report(report: Report, what: str, fn, *args, world_size: int, timeout
     return None
 
 
+def no_sockets_hint(text: str) -> str:
+    """For an error a refused socket caused (``grading.nosockets``): why, and what to use."""
+    if "Operation not permitted" not in text:
+        return ""
+    return (" — a check's ranks open no new connections: a process group of your own (or "
+            "any socket between ranks) is refused. Move the data with ok.p2p and the kit's "
+            "collectives")  # fmt: skip
+
+
 def report_failure(report: Report, what: str, exc: BaseException, timeout: float,
                    explain=None) -> None:  # fmt: skip
     """One ✘ line for a launch that failed: unfinished, hung, crashed, or raised."""
-    explain = explain or (lambda text: "")
+    given = explain or (lambda text: "")
+
+    def explain(text: str) -> str:
+        return no_sockets_hint(text) or given(text)
+
     if isinstance(exc, answers.AnswerRan):
         report.fail(f"{what}: {exc}")
     elif isinstance(exc, NotImplementedError):
@@ -145,7 +158,7 @@ def call_or_report(report: Report, what: str, fn, *args, forbid=None):
         if ran or isinstance(exc, answers.AnswerRan):  # the kit's answer ran, and refused
             report.fail(f"{what}: your function {answers.said(ran)}" if ran else f"{what}: {exc}")
             raise Unfinished from None
-        report.fail(f"{what}: raised {type(exc).__name__}: {exc}")
+        report.fail(f"{what}: raised {type(exc).__name__}: {exc}{no_sockets_hint(str(exc))}")
         return False, None
     if ran:
         report.fail(f"{what}: your function {answers.said(ran)}")

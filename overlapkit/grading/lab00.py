@@ -11,6 +11,7 @@ from ..pingpong import ping_pong as reference_ping_pong
 from . import answers
 from .common import human_bytes, human_seconds, plain_number, run_or_report
 from .report import Report
+from .sealed import seal
 
 #: a reported one-way time passes when it is within this factor of a one-way statistic
 #: (median or mean, with or without the first round trips as warm-up) of the very round
@@ -287,26 +288,26 @@ def link_scale() -> float:
     return rng.uniform(0.6, 0.9) if rng.random() < 0.5 else rng.uniform(1.1, 1.6)
 
 
-def check_fit_alpha_beta(fit_alpha_beta) -> Report:
-    """Check a learner's ``fit_alpha_beta(sizes, times) -> (alpha_s, beta_s_per_byte)``."""
-    report = Report("fit_alpha_beta")
-    # the lab's link (20 µs, 2 GB/s) slowed or sped up by a factor drawn for this run: a pair
-    # returned without fitting (the lab's numbers, say) cannot match it, while every fit's
-    # relative error, and so which mistake it shows, stays what it is at 1× (times × k
-    # give α × k and β × k, with the same noise)
+def _fit_inputs() -> tuple[list[int], list[float], list[float]]:
+    """The sizes, and the times of the lab's link (20 µs, 2 GB/s) slowed or sped up by a
+    factor drawn for this run, exact and with ±15% noise: a pair returned without fitting
+    (the lab's numbers, say) cannot match them, while every fit's relative error, and so
+    which mistake it shows, stays what it is at 1× (times × k give α × k and β × k)."""
     scale = link_scale()
     alpha, beta = 20e-6 * scale, scale / 2e9
     sizes = [8 * 4**k for k in range(12)]  # 8 B .. 32 MB
     exact = [alpha + beta * s for s in sizes]
     rng = random.Random(0)
-    noisy = [t * rng.uniform(0.85, 1.15) for t in exact]
-    ref_alpha, ref_beta = reference_fit(sizes, noisy)
+    return sizes, exact, [t * rng.uniform(0.85, 1.15) for t in exact]
 
-    cases = [
-        ("measurements on the line", exact, alpha, beta, 0.01),
-        ("noisy measurements (±15%)", noisy, ref_alpha, ref_beta, 0.35),
-    ]
-    for label, times, want_a, want_b, tol in cases:
+
+def check_fit_alpha_beta(fit_alpha_beta) -> Report:
+    """Check a learner's ``fit_alpha_beta(sizes, times) -> (alpha_s, beta_s_per_byte)``."""
+    report = Report("fit_alpha_beta")
+    fit_alpha_beta = seal(fit_alpha_beta)  # called on a rank of its own, out of our reach
+    sizes, exact, noisy = _fit_inputs()
+    cases = [("measurements on the line", exact, 0.01), ("noisy measurements (±15%)", noisy, 0.35)]
+    for label, times, tol in cases:
         try:
             with answers.running(answers.of("check_fit_alpha_beta")) as ran:
                 got = fit_alpha_beta(list(sizes), list(times))
@@ -321,6 +322,9 @@ def check_fit_alpha_beta(fit_alpha_beta) -> Report:
         if ran:
             report.fail(f"{label}: your function {answers.said(ran)}")
             return report
+        # what the times come to, worked out only now (the link's α and β are nowhere in
+        # this process while the learner's function runs): on the line, the link itself
+        want_a, want_b = reference_fit(sizes, times)
         try:
             got_a, got_b = (float(x) for x in got)
         except (TypeError, ValueError):

@@ -21,6 +21,7 @@ from ..sharded import flatten_padded, unflatten_into
 from . import answers
 from .common import plain_number, refused_rank, run_or_report, worst_element
 from .report import Report
+from .sealed import seal
 from .traffic import shown
 
 STEPS, LR, MOMENTUM = 10, 0.05, 0.9
@@ -452,6 +453,7 @@ def check_memory_per_rank(memory_per_rank) -> Report:
     """Check ``memory_per_rank(n_params, world_size, optimizer, zero1)`` -> dict of bytes per
     rank (``params``, ``grads``, ``optimizer_state``; fp32, per-element state only)."""
     report = Report("memory_per_rank")
+    memory_per_rank = seal(memory_per_rank)  # called on a rank of its own, out of our reach
     for n_params, world, optimizer, zero1 in MEMORY_CASES:
         label = f"memory_per_rank({n_params:,}, {world}, {optimizer!r}, zero1={zero1})"
         try:

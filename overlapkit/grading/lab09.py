@@ -75,6 +75,34 @@ def _kind(model, tensor) -> str:
         return "parameter" if any(same(p.detach()) for p in params) else ""
 
 
+class _Calls(list):
+    """The calls :func:`_recorded_reductions` saw, in order, and how many values the kit's
+    AllReduces among them were given (``values``)."""
+
+    values = 0
+
+
+def _short(res: dict, traffic, values: int, times: int, world: int) -> tuple[int, int] | None:
+    """(moved, needed) when a rank put fewer values through the kit — its AllReduces' and
+    its own ok.p2p sends' (fp32: 4 bytes each) — than averaging ``values`` parameters
+    ``times`` times over ``world`` ranks needs of every rank, (N−1)/N of them; else None."""
+    moved = res["kit values"] + sum(n for _, n in traffic.sent) // 4
+    need = times * ((world - 1) * values // world)
+    return (moved, need) if moved < need else None
+
+
+def _by_another_door(what: str, rank: int, short: tuple[int, int], world: int) -> str:
+    """The ✘ line for a rank whose models agree although the kit moved too little."""
+    moved, need = short
+    return (
+        f"{what}: rank {rank} holds the mean, yet only {moved} parameter values went through "
+        f"the kit (ok.ring_all_reduce or ok.p2p), where averaging over N = {world} ranks "
+        f"moves at least (N−1)/N of them: {need}. The rest was averaged by another door (a "
+        "process group of its own, or a built-in reached some other way): average with the "
+        "kit's ok.ring_all_reduce"
+    )
+
+
 @contextlib.contextmanager
 def _recorded_reductions(ok, model, optimizer=None, *, finished: str, advice: str,
                          where=lambda: ""):  # fmt: skip
@@ -86,7 +114,7 @@ def _recorded_reductions(ok, model, optimizer=None, *, finished: str, advice: st
     fewer of them: that rank will never join it (``advice``: what to do). Each rank posts
     its count in the process group's store when its work is done."""
     me, world, returned = ok.rank(), ok.world_size(), PeersReturned("lab09")
-    called: list[str] = []
+    called = _Calls()
     count = [0]
 
     def joined(wait, index: int) -> None:
@@ -128,6 +156,7 @@ def _recorded_reductions(ok, model, optimizer=None, *, finished: str, advice: st
     def recorder(original, name):
         def call(tensor, *args, **kwargs):
             called.append(f"ok.{name}({_kind(model, tensor)})")
+            called.values += tensor.numel() if isinstance(tensor, torch.Tensor) else 0
             if name == "ring_all_reduce":
                 return ring(original, tensor, *args, **kwargs)
             return original(tensor, *args, **kwargs)
@@ -165,7 +194,7 @@ def _run(average_parameters, seed: int = 0):
     with (
         _recorded_reductions(
             ok, model, finished="returned from average_parameters", advice="every rank averages"
-        ),  # fmt: skip
+        ) as called,
         builtin_collectives() as builtin,
     ):
         result = average_parameters(model)
@@ -181,6 +210,7 @@ def _run(average_parameters, seed: int = 0):
         "rank": me,
         "names": [n for n, _ in model.named_parameters()],
         "builtin": builtin,
+        "kit values": called.values,
         "never waited": unwaited,
         "returned": result is not None and not isinstance(result, torch.nn.Module),
     }
@@ -358,6 +388,10 @@ def _judge(report, what, results, world) -> bool:
                 "parameters (model.parameters()), not the buffers"
             )
             return False
+        values = sum(v.numel() for v in res["values"])
+        if short := _short(res, traffic, values, 1, world):
+            report.fail(_by_another_door(what, rank, short, world))
+            return False
     return True
 
 
@@ -453,6 +487,7 @@ def _run_local_sgd(local_sgd_step, k: int, seed: int = 0):
         "after": after,
         "events": events,
         "builtin": builtin,
+        "kit values": called.values,
         "never waited": handles.take_unwaited(),
     }
 
@@ -609,4 +644,9 @@ def _judge_local_sgd(report, what, results, k) -> bool:
                 f"{hint}"
             )
         return False
+    values = results[0][0]["after"][0].numel()
+    for rank, (res, traffic) in enumerate(results):
+        if short := _short(res, traffic, values, len(_steps(k)), len(results)):
+            report.fail(_by_another_door(what, rank, short, len(results)))
+            return False
     return True

@@ -462,18 +462,31 @@ _METADATA = {"__get__", "__len__", "size", "dim", "numel", "stride", "data_ptr",
              "zeros_like", "ones_like"}  # fmt: skip
 
 
-def _run_moe(chunked_moe, chunks):
+def _moe_tokens(seed: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's tokens and the expert each goes to, from the seed drawn for it."""
+    gen = torch.Generator().manual_seed(seed)
+    n = TOKENS + rank  # ranks hold different token counts
+    return torch.randn(n, D, generator=gen), torch.randint(0, world, (n,), generator=gen)
+
+
+def _moe_expert(seed: int) -> torch.nn.Linear:
+    """A rank's expert, from the seed drawn for it (torch's global generator left as it was)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return torch.nn.Linear(D, D)
+
+
+def _run_moe(chunked_moe, chunks, seed: int, expert_seed: int):
+    """On each rank: its own tokens and its own expert only (seeds drawn per check and sent
+    to this rank alone), so no rank can work out another's tokens or apply another's
+    expert without the all-to-alls; what is wanted is worked out by the checking process
+    (:func:`_moe_wants`)."""
     import overlapkit as ok  # noqa: PLC0415
 
     me, world = ok.rank(), ok.world_size()
-    n = TOKENS + me  # ranks hold different token counts
-    x = torch.randn(n, D, generator=torch.Generator().manual_seed(20 + me))
-    expert_of = torch.randint(0, world, (n,), generator=torch.Generator().manual_seed(30 + me))
-    torch.manual_seed(40)
-    experts = [torch.nn.Linear(D, D) for _ in range(world)]
-    with torch.no_grad():
-        through = torch.stack([e(x) for e in experts], dim=1)  # [token, expert, D]
-    want = through[torch.arange(n), expert_of]
+    x, expert_of = _moe_tokens(seed, me, world)
+    expert = _moe_expert(expert_seed)
+    del seed, expert_seed
     log = _Log()
     counter = [0]
     orig = ok.all_to_all
@@ -545,7 +558,6 @@ def _run_moe(chunked_moe, chunks):
                         break
             return func(*args, **(kwargs or {}))
 
-    expert = experts[me]
     orig_forward = expert.forward
 
     def forward(inp):
@@ -568,8 +580,6 @@ def _run_moe(chunked_moe, chunks):
         ok.all_to_all = orig
     return {
         "got": got if isinstance(got, torch.Tensor) else repr(got)[:80],
-        "want": want,
-        "through": through,
         "called": called,
         "builtin": builtin,
         "events": log.events,
@@ -603,6 +613,18 @@ def _token_numbers(rows: torch.Tensor, x: torch.Tensor) -> list[int]:
     return [int(i) if f else -1 for i, f in zip(same.int().argmax(dim=1), found, strict=True)]
 
 
+def _moe_wants(results: list, seeds: list[int], expert_seeds: list[int]) -> None:
+    """In the checking process: each token through every expert, and through its own."""
+    world = len(seeds)
+    experts = [_moe_expert(s) for s in expert_seeds]
+    for rank, ((res, _), seed) in enumerate(zip(results, seeds, strict=True)):
+        x, expert_of = _moe_tokens(seed, rank, world)
+        with torch.no_grad():
+            res["through"] = torch.stack([e(x) for e in experts], dim=1)  # [token, expert, D]
+        res["want"] = res["through"][torch.arange(len(x)), expert_of]
+        res["expert_of"] = expert_of  # the rank's own copy is the learner's to change
+
+
 def check_chunked_moe(chunked_moe, timeout: float = 20.0) -> Report:
     """Check ``chunked_moe(x, expert_of, expert, chunks)`` (every token through the expert
     ``expert_of`` names, on that expert's rank; tokens in ``chunks`` chunks, the next
@@ -613,11 +635,17 @@ def check_chunked_moe(chunked_moe, timeout: float = 20.0) -> Report:
         what = f"chunked_moe on {world} ranks, {chunks} chunk{'s' if chunks > 1 else ''}"
         # the 3-rank case runs once the 2-rank ones passed
         hint = _WORLD_HINT.replace("2 where", "2 (or minlength=2) where") if world > 2 else ""
+        seeds = [secrets.randbits(62) for _ in range(world)]
+        expert_seeds = [secrets.randbits(62) for _ in range(world)]
         results = run_or_report(_Hinted(report, hint), what, _run_moe, chunked_moe, chunks,
                                 world_size=world, timeout=timeout, link=CHECK_LINK,
-                                explain=_split_sizes,
-                                forbid=answers.of("check_chunked_moe"))  # fmt: skip
-        if results is None or not _moe_results(report, what, results, chunks, hint):
+                                explain=_split_sizes, forbid=answers.of("check_chunked_moe"),
+                                rank_kwargs=[{"seed": s, "expert_seed": e} for s, e
+                                             in zip(seeds, expert_seeds, strict=True)])  # fmt: skip
+        if results is None:
+            return report
+        _moe_wants(results, seeds, expert_seeds)
+        if not _moe_results(report, what, results, chunks, hint):
             return report
         report.ok(f"{what}: every token came back with its expert's output")
     return report

@@ -24,6 +24,8 @@ import importlib
 
 import cloudpickle
 
+from .. import plaindata
+
 #: a single-process exercise's call on its rank: microseconds of work, but a rank that
 #: starts beside a loaded machine's other work (load 7 on 2 cores) once took over 30 s
 CALL_TIMEOUT_S = 60.0
@@ -35,11 +37,13 @@ _watching: list[tuple[tuple, list]] = []
 class Sealed:
     """A student's function or class, as bytes; ``name`` is what the notebook called it."""
 
-    def __init__(self, name: str, data: bytes, shown: str | None = None):
+    def __init__(self, name: str, data: bytes | None, shown: str | None = None):
         self.name, self.data = name, data
         self.__name__ = self.__qualname__ = shown or name
         self.hung: float | None = None  # the limit of a call that did not return
         self.crashed: str | None = None  # how a call's rank ended without returning
+        self.unsendable: str | None = None  # why it could not be pickled (see seal())
+        self.loud = False  # show what it prints (a notebook's own function: see seal())
 
     def __reduce__(self):
         # what travels to a rank is the student's own pickle: there it is the object again
@@ -50,6 +54,26 @@ class Sealed:
 
     def __repr__(self) -> str:
         return f"<{self.__name__} from the notebook>"
+
+
+def seal(fn):
+    """A learner's single-process function as a check calls it: on a rank of its own, in
+    a notebook as under the grader (what it prints is shown). Nothing of the check's is
+    then within its reach — not the check's frames and report, nor the values it wants —
+    and what it returns comes back as plain data (a ``str`` whose ``==`` always agrees
+    does not). Already sealed (the grader's judge), or not a function: as it is."""
+    if isinstance(fn, Sealed) or not callable(fn):
+        return fn
+    from ..launcher import dumps_keeping_filenames  # noqa: PLC0415
+
+    name = getattr(fn, "__name__", None) or "the function"
+    try:
+        sealed = Sealed(name, dumps_keeping_filenames(fn))
+    except Exception as exc:  # noqa: BLE001 - said when it is called
+        sealed = Sealed(name, None)
+        sealed.unsendable = f"{type(exc).__name__}: {exc}"
+    sealed.loud = True
+    return sealed
 
 
 @contextlib.contextmanager
@@ -87,17 +111,22 @@ def call(fn, *args, timeout: float = CALL_TIMEOUT_S, **kwargs):
     if getattr(fn, "crashed", None) is not None:  # it took its rank down: once is enough
         raise RuntimeError(f"{name}() ended its process in an earlier case ({fn.crashed}): "
                            "not called again")  # fmt: skip
+    if getattr(fn, "unsendable", None) is not None:
+        raise TypeError(f"{name} cannot be sent to the process the check runs it in: "
+                        f"{fn.unsendable} (it must pickle: no open files, locks or sockets "
+                        "in what it uses)")  # fmt: skip
     watched = list(_watching)
     try:
-        value, seen = launch(
-            _call_on_rank,
-            dumps_keeping_filenames(fn),
-            dumps_keeping_filenames((args, kwargs)),
-            [what for what, _ in watched],
-            world_size=1,
-            timeout=timeout,
-            quiet=True,
-        )[0]
+        with plaindata.distrust():  # its value is read as plain data, in a notebook too
+            value, seen = launch(
+                _call_on_rank,
+                dumps_keeping_filenames(fn),
+                dumps_keeping_filenames((args, kwargs)),
+                [what for what, _ in watched],
+                world_size=1,
+                timeout=timeout,
+                quiet=not getattr(fn, "loud", False),
+            )[0]
     except LaunchTimeoutError:
         if isinstance(fn, Sealed):
             fn.hung = timeout
@@ -105,6 +134,10 @@ def call(fn, *args, timeout: float = CALL_TIMEOUT_S, **kwargs):
     except RankFailedError as exc:
         if isinstance(fn, Sealed) and exc.died:  # its process ended: it did not raise
             fn.crashed = str(exc)
+        unread = "rank 0 returned a value that cannot be read"
+        if str(exc).startswith(unread):  # a single-process function has no rank to speak of
+            raise TypeError(f"{name}() returned a value that cannot be read"
+                            f"{str(exc)[len(unread):]}") from None  # fmt: skip
         raise
     for (_, into), got in zip(watched, _as_lists(seen, len(watched)), strict=True):
         into.extend(got)
@@ -121,9 +154,10 @@ def _as_lists(seen, n: int) -> list[list]:
 def _call_on_rank(fn_bytes: bytes, args_bytes: bytes, watch: list):
     """On the rank: start watching, then unpickle the student's function (so a name it
     imported is the watched one) and call it; returns (value, what each watch saw)."""
-    from . import answers  # noqa: PLC0415
+    from . import answers, nosockets  # noqa: PLC0415
     from .common import recorded_calls  # noqa: PLC0415
 
+    nosockets.forbid_new_sockets()  # nothing to ask another process for the answer
     with contextlib.ExitStack() as stack:
         seen = []
         for what in watch:
