@@ -1227,3 +1227,49 @@ def bytes_moved_asked_of_a_server(collective, nbytes, world):
 def test_a_single_process_exercise_cannot_ask_another_process_for_its_answer():
     _failed_with(ok.grading.check_bytes_moved(bytes_moved_asked_of_a_server),
                  "PermissionError", "a check's ranks open no new connections")  # fmt: skip
+
+
+def _recompiled_on_a_raw_thread(module, name, *args):
+    """The kit's module recompiled from its source (new code objects, another file name)
+    and its function run on a thread of _thread's, which threading.setprofile misses."""
+    import _thread
+    import inspect
+    import threading
+    import types
+
+    copy = types.ModuleType(f"copy_of_{module.__name__.rsplit('.', 1)[-1]}")
+    sys.modules[copy.__name__] = copy  # its dataclasses look themselves up there
+    exec(compile("\n" * 3 + inspect.getsource(module), "elsewhere.py", "exec"), copy.__dict__)
+    out, done = [], threading.Event()
+
+    def go():
+        try:
+            out.append(getattr(copy, name)(*args))
+        except BaseException as exc:  # noqa: BLE001
+            out.append(exc)
+        done.set()
+
+    _thread.start_new_thread(go, ())
+    done.wait()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
+def bytes_by_a_recompiled_copy_on_a_raw_thread(collective, nbytes, world):
+    return _recompiled_on_a_raw_thread(ok.costmodel, "bytes_moved_per_rank", collective, nbytes,
+                                       world)  # fmt: skip
+
+
+def buckets_by_a_recompiled_copy_on_a_raw_thread(sizes, bucket_mb):
+    return _recompiled_on_a_raw_thread(ok.costmodel, "ddp_buckets", sizes, bucket_mb)
+
+
+@pytest.mark.parametrize("check, fn, words", [
+    (ok.grading.check_bytes_moved, bytes_by_a_recompiled_copy_on_a_raw_thread,
+     "ok.costmodel.bytes_moved_per_rank"),
+    (ok.grading.check_assign_buckets, buckets_by_a_recompiled_copy_on_a_raw_thread,
+     "ok.costmodel.ddp_buckets"),
+])  # fmt: skip
+def test_a_recompiled_copy_of_the_kit_on_a_raw_thread_is_still_its_answer(check, fn, words):
+    _failed_with(check(fn), words, "the kit's own answer")

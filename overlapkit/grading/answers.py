@@ -371,6 +371,35 @@ def _disarmed(names, codes: dict):
 
 
 @contextlib.contextmanager
+def _raw_threads_watched(watch):
+    """Threads started with ``_thread.start_new_thread`` (which ``threading.setprofile``
+    does not reach) start under ``watch`` too while the block runs: a copy of an answer
+    recompiled from the kit's source and run on one was seen by nothing."""
+    import _thread  # noqa: PLC0415
+
+    def watched(original):
+        def start_new_thread(function, args, kwargs=None):
+            def run(*a, **k):
+                sys.setprofile(watch)
+                return function(*a, **k)
+
+            return original(run, args, kwargs or {})
+
+        return start_new_thread
+
+    places = [(m, n) for m, n in ((_thread, "start_new_thread"), (_thread, "start_new"),
+                                  (threading, "_start_new_thread")) if hasattr(m, n)]  # fmt: skip
+    saved = [(m, n, getattr(m, n)) for m, n in places]
+    for m, n, original in saved:
+        setattr(m, n, watched(original))
+    try:
+        yield
+    finally:
+        for m, n, original in saved:
+            setattr(m, n, original)
+
+
+@contextlib.contextmanager
 def running(names):
     """Watch the answers ``names`` while the block runs; yields the list of the answers'
     names, one entry per time their code started (see the module docstring for where),
@@ -392,7 +421,8 @@ def running(names):
     threading.setprofile(watch)
     try:
         # a sealed student function called meanwhile is watched on its own rank the same way
-        with _disarmed(names, codes), sealed.watching(("answers", tuple(names)), ran):
+        with (_disarmed(names, codes), _raw_threads_watched(watch),
+              sealed.watching(("answers", tuple(names)), ran)):  # fmt: skip
             yield ran
     finally:
         _open.remove(ran)
