@@ -118,6 +118,33 @@ def shutdown() -> None:
 
 
 @contextlib.contextmanager
+def _interrupts_after():
+    """Ctrl-C (SIGINT) waits until the block is done: a rank whose start it cut short
+    was forked, but its Process never learnt its pid, so nothing could stop it (its
+    caller then waited on it at exit: a hang). Python runs signal handlers in the main
+    thread only, so only there is the handler swapped; a Ctrl-C that came meanwhile is
+    then handed to the handler that was there before."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came = []
+    try:
+        before = signal.signal(signal.SIGINT, lambda signum, frame: came.append(frame))
+    except ValueError:  # not the main interpreter
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+    if came:
+        if callable(before):
+            before(signal.SIGINT, came[0])
+        elif before == signal.SIG_DFL:
+            raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
 def _ranks_skip_main():
     # multiprocessing re-runs the caller's __main__ in every child so that
     # functions pickled by reference can be found. Ours travel by value, and
@@ -363,7 +390,7 @@ class _Ranks:
 
     def start(self) -> None:
         ctx = _forkserver()
-        with _start_lock, _ranks_skip_main():
+        with _start_lock, _ranks_skip_main(), _interrupts_after():
             for r in range(self.spec.world_size):
                 recv, send = ctx.Pipe(duplex=False)
                 # a rank's own keyword arguments go in its spec alone

@@ -1273,3 +1273,28 @@ def buckets_by_a_recompiled_copy_on_a_raw_thread(sizes, bucket_mb):
 ])  # fmt: skip
 def test_a_recompiled_copy_of_the_kit_on_a_raw_thread_is_still_its_answer(check, fn, words):
     _failed_with(check(fn), words, "the kit's own answer")
+
+
+def test_a_thread_started_under_the_watch_is_no_tampering_and_stays_watched():
+    """Red team round 5: every threading.Thread started under the watch was "tampering"
+    (its start calls sys.setprofile), and threading._profile_hook = None left one unwatched."""
+    import threading
+
+    from overlapkit.grading import answers
+
+    with answers.running(answers.of("check_bytes_moved")) as ran:
+        t = threading.Thread(target=lambda: None)
+        t.start()
+        t.join()
+    assert ran == []
+    hook = threading._profile_hook
+    with answers.running(answers.of("check_bytes_moved")) as ran:
+        threading._profile_hook = None
+        try:
+            t = threading.Thread(target=ok.costmodel.bytes_moved_per_rank,
+                                 args=("all_reduce", 8, 2))  # fmt: skip
+            t.start()
+            t.join()
+        finally:
+            threading._profile_hook = hook
+    assert ran == ["ok.costmodel.bytes_moved_per_rank"]

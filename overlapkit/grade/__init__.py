@@ -26,9 +26,12 @@ secret the grader sent it, from a process other processes of the user may not in
 Not covered: student code runs as the grader's user, so it *can* rewrite the kit, the
 labs or the Python environment; the grader notices that (:mod:`.tamper`) and stops with
 exit status 3, but the defence is to run the kernel where it cannot write them (a
-container per submission, as Gradescope does, or a user of its own). Verdicts that rest
-on what a rank reports about itself (its traffic, its timings) are as honest as the code
-on that rank; the checks cross-check them where they can.
+container per submission, as Gradescope does, or a user of its own). While the student's
+code runs on a check's rank, the rank opens no socket (:mod:`overlapkit.grading.nosockets`):
+no process group of the student's own carries data past the kit's records. Verdicts that
+rest on what a rank reports about itself (its traffic, its timings) are as honest as the
+code on that rank; the checks cross-check them where they can (values moved, payloads,
+counts on both ends), and files the ranks share stay a channel a rank could use.
 
 Writes JSON (one object per notebook; a list for several), Gradescope's ``results.json``
 (one per submission) or a CSV gradebook. Exits 0 whenever grading ran, whatever the

@@ -244,6 +244,9 @@ def _trusted() -> frozenset[int]:
                 continue
             for fn in _functions(module):
                 found.update(id(c) for c in _nested(fn.__code__))
+    # a thread's own start sets threading.setprofile's profiler (under the watch that
+    # _raw_threads_watched gave it first)
+    found.add(id(threading.Thread._bootstrap_inner.__code__))
     return frozenset(found)
 
 
@@ -379,7 +382,8 @@ def _raw_threads_watched(watch):
 
     def watched(original):
         def start_new_thread(function, args, kwargs=None):
-            def run(*a, **k):
+            def run(*a, **k):  # (a threading.Thread then sets threading.setprofile's
+                # watch again, if it is still there: threading._profile_hook = None is no door)
                 sys.setprofile(watch)
                 return function(*a, **k)
 
