@@ -1298,3 +1298,56 @@ def test_a_thread_started_under_the_watch_is_no_tampering_and_stays_watched():
         finally:
             threading._profile_hook = hook
     assert ran == ["ok.costmodel.bytes_moved_per_rank"]
+
+
+# ------------------------ open (issue 21, red team round 5): an edited copy is not recognised
+
+
+def _laundered(modname: str):
+    """Red team round 5: one of the kit's modules, an unused local put first in every
+    function, compiled anew: same behaviour, code objects no exact key matches."""
+    import ast
+    import inspect
+    import types
+
+    key = "_copy_of_" + modname.replace(".", "_")
+    if key in sys.modules:
+        return sys.modules[key]
+    module = importlib.import_module(modname)
+    tree = ast.parse(inspect.getsource(module))
+
+    class Launder(ast.NodeTransformer):
+        def visit_FunctionDef(self, node):
+            self.generic_visit(node)
+            node.body.insert(0, ast.parse("_laundered_ = 0").body[0])
+            return node
+
+    copy = types.ModuleType(key)
+    copy.__package__ = module.__package__
+    sys.modules[key] = copy
+    exec(compile(ast.fix_missing_locations(Launder().visit(tree)), "<copy>", "exec"),
+         copy.__dict__)  # fmt: skip
+    return copy
+
+
+def bytes_by_a_laundered_copy(collective, nbytes, world):
+    return _laundered("overlapkit.costmodel").bytes_moved_per_rank(collective, nbytes, world)
+
+
+def buckets_by_a_laundered_copy(sizes, bucket_mb):
+    return _laundered("overlapkit.costmodel").ddp_buckets(sizes, bucket_mb)
+
+
+_OPEN = (
+    "issue 21 open: copies are recognised by an exact key; similarity matching is the "
+    "plan (a pass here means it works: drop the mark)"
+)
+
+
+@pytest.mark.xfail(strict=True, reason=_OPEN)
+@pytest.mark.parametrize("check, fn", [
+    (ok.grading.check_bytes_moved, bytes_by_a_laundered_copy),
+    (ok.grading.check_assign_buckets, buckets_by_a_laundered_copy),
+])  # fmt: skip
+def test_an_edited_copy_of_the_kits_answer_is_still_its_answer(check, fn):
+    assert not check(fn).all_passed
