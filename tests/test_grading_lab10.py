@@ -261,7 +261,7 @@ def test_numpys_own_scalars_are_plain_numbers_and_their_subclasses_are_not():
     [
         (None, None, "not implemented yet (TUNED and REPORT are still None"),
         (None, {}, "TUNED must be a dict like"),
-        ({"wrapper": "buckets"}, None, "'wrapper' one of naive, overlap, bucketed"),
+        ({"wrapper": "buckets"}, None, "'wrapper' must be one of naive, overlap, bucketed"),
         ({"wrapper": "bucketed", "bucket_mb": 0}, None, "must be a size in MiB > 0"),
         ({"wrapper": "bucketed"}, None, "TUNED has no 'bucket_mb'"),
         (

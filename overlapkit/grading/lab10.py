@@ -84,21 +84,23 @@ def note_of(config: dict, result: dict) -> dict:
     return {"config": dict(config), "step_ms": result["step_ms"], "hidden": result["hidden"]}
 
 
-def config_problem(config) -> str | None:
-    """What is wrong with a configuration :func:`measure` is given, or None."""
+def config_problem(config, name: str = "a configuration") -> str | None:
+    """What is wrong with a configuration (:func:`measure`'s argument, or the notebook's
+    ``name``, e.g. "TUNED"), or None."""
     from ..ddp import WRAPPERS  # noqa: PLC0415
 
     if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
-        return f"a configuration is a dict like BASELINE ({BASELINE}); got {config!r}"[:300]
+        return (f"{name} must be a dict like BASELINE ({BASELINE}) with 'wrapper' one of "
+                f"{', '.join(WRAPPERS)}; got {config!r}")[:300]  # fmt: skip
     wrapper = config.get("wrapper", "bucketed")
     if not isinstance(wrapper, str) or wrapper not in WRAPPERS:
-        return f"'wrapper' must be one of {', '.join(WRAPPERS)}; got {wrapper!r}"
+        return f"{name}: 'wrapper' must be one of {', '.join(WRAPPERS)}; got {wrapper!r}"
     extra = set(config) - {"wrapper", "bucket_mb"}
     if extra:
-        return f"{sorted(extra)}: the lab's setup takes only wrapper and bucket_mb"
+        return f"{name} has keys {sorted(extra)}: the lab's setup takes only wrapper and bucket_mb"
     mb = config.get("bucket_mb", 25)
     if mb is not None and not (plain_number(mb) and 0 < mb < 1e6):
-        return f"'bucket_mb' must be a size in MiB > 0 (or None: one bucket); got {mb!r}"
+        return f"{name}: 'bucket_mb' must be a size in MiB > 0 (or None: one bucket); got {mb!r}"
     return None
 
 
@@ -245,25 +247,15 @@ def _open(median: float, doubt: float, line: float) -> bool:
 
 
 def _config_problem(tuned) -> str | None:
-    from ..ddp import WRAPPERS  # noqa: PLC0415
-
-    if not isinstance(tuned, dict) or tuned.get("wrapper") not in WRAPPERS:
-        return (f"TUNED must be a dict like BASELINE ({BASELINE}) with 'wrapper' one of "
-                f"{', '.join(WRAPPERS)}; got {tuned!r}")  # fmt: skip
-    extra = set(tuned) - {"wrapper", "bucket_mb"}
-    if extra:
-        return (f"TUNED has keys {sorted(extra)} the lab's setup does not take (only "
-                "wrapper, bucket_mb)")  # fmt: skip
+    """TUNED's problem: a configuration's, or a wrapper (or a bucketed one's size) left out."""
+    problem = config_problem(tuned, "TUNED")
+    if problem is not None:
+        return problem
+    if "wrapper" not in tuned:
+        return f"TUNED has no 'wrapper': name the one you measured, e.g. {BASELINE}"
     if tuned["wrapper"] == "bucketed" and "bucket_mb" not in tuned:
         return ("TUNED has no 'bucket_mb': give the bucket size (MiB) you measured — a "
                 "bucketed wrapper without one would use 25")  # fmt: skip
-    mb = tuned.get("bucket_mb", 25)
-    if (
-        tuned["wrapper"] == "bucketed"
-        and mb is not None
-        and not (isinstance(mb, (int, float)) and mb > 0)
-    ):
-        return f"TUNED['bucket_mb'] must be a size in MiB > 0 (or None: one bucket); got {mb!r}"
     return None
 
 
