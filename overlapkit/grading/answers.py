@@ -11,12 +11,9 @@ would miss every other way to it::
 
 All of them run the same *code objects*. So a check watches those (the answer's functions,
 its classes' methods, and the functions nested in them) while the learner's function
-runs, and fails it when one starts: in the calling thread, in threads started meanwhile
-(``_thread``'s too), and in the kit's communication workers (an async op runs its task
-under the caller's watch, see ``collectives._Executor``). A copy compiled anew from the
-kit's source is recognised by what its code does (:func:`_key`), and a copy edited a
-little (a line added, a name changed: red team round 5) by how alike its instructions are
-(:data:`SIMILAR`, difflib's ratio of :func:`_tokens`).
+runs, and fails it when one starts: in the calling thread, in threads started meanwhile,
+and in the kit's communication workers (an async op runs its task under the caller's
+watch, see ``collectives._Executor``).
 
 Each check's answers are listed once, in :data:`ANSWERS`, by dotted name under
 ``overlapkit``: a module (every function and class defined in it), a class (its methods,
@@ -30,8 +27,8 @@ registry, which no sequence number counts).
 A profile function only sees the threads it was given; so, meanwhile, the answers are
 also *disarmed*: each of their functions gets code that refuses to run (it notes the
 answer and raises :class:`AnswerRan`) until the learner's call is over. That reaches every
-thread of the process (one the watch never saw: a pool started before the check) and every
-process forked from it, whatever turned the watch off.
+thread of the process (one the watch never saw: ``_thread.start_new_thread``, a pool
+started before the check) and every process forked from it, whatever turned the watch off.
 Honest work never runs an answer while it is watched (the watch would fail it), so the
 refusal takes nothing from it.
 """
@@ -39,8 +36,6 @@ refusal takes nothing from it.
 from __future__ import annotations
 
 import contextlib
-import difflib
-import dis
 import importlib
 import inspect
 import itertools
@@ -233,47 +228,6 @@ def _telling(code: types.CodeType) -> bool:
     return not code.co_name.startswith("<") and len(code.co_code) >= TELLING_BYTES
 
 
-#: how alike (difflib's ratio of their instructions) a function must be to an answer's to
-#: count as an edited copy of it: one unused line added to the kit's smallest answer gives
-#: 0.96, its neighbours in the cost model one another below 0.8
-SIMILAR = 0.9
-_NAMED = {"LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "LOAD_NAME", "IMPORT_NAME", "IMPORT_FROM",
-          "STORE_ATTR", "LOAD_CONST", "KW_NAMES", "COMPARE_OP", "BINARY_OP"}  # fmt: skip
-_tokens_of: dict[int, tuple] = {}
-
-
-def _tokens(code: types.CodeType) -> tuple:
-    """What a function does, as a tuple of instructions: the names and constants it uses
-    kept, its own variables' names and every jump's target left out (an edited copy
-    renames or moves those)."""
-    entry = _tokens_of.get(id(code))
-    if entry is None or entry[0] is not code:
-        out = []
-        for ins in dis.get_instructions(code):
-            if ins.opname in ("RESUME", "NOP", "CACHE", "EXTENDED_ARG"):
-                continue
-            arg = ins.argval if ins.opname in _NAMED else None
-            if not isinstance(arg, (str, int, float, bool, type(None))):
-                arg = type(arg).__name__
-            out.append((ins.opname, arg))
-        entry = _tokens_of[id(code)] = (code, tuple(out))
-    return entry[1]
-
-
-def _copy_of(code: types.CodeType, shapes: list) -> str | None:
-    """The answer ``code`` is an edited copy of (its label, how alike), or None."""
-    mine = _tokens(code)
-    for theirs, label in shapes:
-        if not 0.75 <= len(mine) / len(theirs) <= 1.33:
-            continue
-        match = difflib.SequenceMatcher(None, mine, theirs, autojunk=False)
-        if match.real_quick_ratio() >= SIMILAR and match.quick_ratio() >= SIMILAR:
-            ratio = match.ratio()
-            if ratio >= SIMILAR:
-                return f"{label} (an edited copy: {ratio:.0%} of its instructions alike)"
-    return None
-
-
 def _trusted() -> frozenset[int]:
     """The ids of the code objects of the kit's and torch.distributed's own modules, as
     loaded (by identity: code compiled elsewhere under their file names is not theirs):
@@ -308,10 +262,6 @@ def _watch(codes: dict, ran: list, before, counter):
     # functions only by identity (a learner's `[p for p in ...]` may well read like the kit's)
     labels = {_key(code): label for code, label in codes.items() if _telling(code)}
     watched = frozenset(labels)
-    # and by what they do, for a copy edited a little (a line added, a name changed)
-    # (code the kit wrote: not what dataclasses generate, alike for every dataclass)
-    shapes = [(_tokens(code), label) for code, label in codes.items()
-              if _telling(code) and code.co_filename.startswith(_KIT)]  # fmt: skip
     # id(code) -> (code, its answer's name or None), worked out once per code object: a
     # code object hashes by value (its constants' tuple again on every call), an id does
     # not; the entry keeps the code alive, so that its id is not another's later
@@ -332,8 +282,6 @@ def _watch(codes: dict, ran: list, before, counter):
             else:
                 key = _key(code)
                 label = labels.get(key, "ok.?") if key in watched else None
-                if label is None and _telling(code):
-                    label = _copy_of(code, shapes)
             entry = known[id(code)] = (code, label)
         return entry[1]
 
@@ -527,5 +475,5 @@ def said(ran: list[str]) -> str:
     names = first + (f" (and {len(more)} more of the kit's functions)" if more else "")
     return (
         f"ran {names}, the kit's own answer (however it was reached: an alias, a subclass, a "
-        "wrapper, a default argument or an edited copy runs the same code): write it yourself"
+        "wrapper or a default argument runs the same code): write it yourself"
     )
