@@ -345,7 +345,15 @@ def test_interrupt_kills_every_rank(tmp_path):
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
         # generous: beside two other pytest workers on 2 cores this once took over 30 s
-        out, _ = proc.communicate(timeout=90)
+        try:
+            out, _ = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired as exc:  # say where it hangs (two CI runs of 15)
+            left = [(p.pid, p.status(), " ".join(p.cmdline())[:80])
+                    for p in parent.children(recursive=True) if p.is_running()]  # fmt: skip
+            proc.kill()
+            out, _ = proc.communicate()
+            raise AssertionError(f"the script did not end 90 s after SIGINT; printed {out!r}; "
+                                 f"its processes: {left}") from exc  # fmt: skip
         assert proc.returncode == 3 and "interrupted" in out
         assert "[rank 2] about to wait" in out  # the ranks' output is shown, not lost
         gone, alive = psutil.wait_procs(ranks, timeout=5)
