@@ -1232,28 +1232,13 @@ def test_a_single_process_exercise_cannot_ask_another_process_for_its_answer():
 def _recompiled_on_a_raw_thread(module, name, *args):
     """The kit's module recompiled from its source (new code objects, another file name)
     and its function run on a thread of _thread's, which threading.setprofile misses."""
-    import _thread
     import inspect
-    import threading
     import types
 
     copy = types.ModuleType(f"copy_of_{module.__name__.rsplit('.', 1)[-1]}")
     sys.modules[copy.__name__] = copy  # its dataclasses look themselves up there
     exec(compile("\n" * 3 + inspect.getsource(module), "elsewhere.py", "exec"), copy.__dict__)
-    out, done = [], threading.Event()
-
-    def go():
-        try:
-            out.append(getattr(copy, name)(*args))
-        except BaseException as exc:  # noqa: BLE001
-            out.append(exc)
-        done.set()
-
-    _thread.start_new_thread(go, ())
-    done.wait()
-    if isinstance(out[0], BaseException):
-        raise out[0]
-    return out[0]
+    return _on_a_raw_thread(getattr(copy, name), *args)
 
 
 def bytes_by_a_recompiled_copy_on_a_raw_thread(collective, nbytes, world):
