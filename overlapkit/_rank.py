@@ -145,8 +145,15 @@ def error_message(exc: BaseException, pickled: bool = True) -> tuple:
     return ("error", exc_bytes, type(exc).__qualname__, str(exc), _user_frames(exc), chained)
 
 
+#: True in a process ok.launch forked for a rank (it ends with its function): not in a
+#: torchrun worker that runs the function in place, nor in the caller
+launched = False
+
+
 def main(spec: RankSpec, rank: int, conn) -> None:
     """Entry point of a rank process (target of the forkserver Process)."""
+    global launched
+    launched = True
     _die_with_parent()
     _capture_output(log_path(spec.log_dir, rank))
     faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)

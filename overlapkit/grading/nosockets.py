@@ -11,9 +11,10 @@ use), then installs a seccomp filter on every thread of the process: ``socket()`
 ``socketpair()`` fail with EPERM from then on. A filter cannot be removed, and the rank
 process ends after the check.
 
-Linux on x86-64 or arm64, gloo only (NCCL connects lazily, at its first collective);
-elsewhere :func:`forbid_new_sockets` returns False and the check runs as before. What it
-does not close: files in folders the ranks share (see ``overlapkit.grade``'s threat model).
+Linux on x86-64 or arm64, gloo only (NCCL connects lazily, at its first collective), in
+a rank ``ok.launch`` forked (a torchrun worker lives on after the check); elsewhere
+:func:`forbid_new_sockets` returns False and the check runs as before. What it does not
+close: files in folders the ranks share (see ``overlapkit.grade``'s threat model).
 """
 
 from __future__ import annotations
@@ -57,9 +58,13 @@ def forbid_new_sockets() -> bool:
     process, every thread of it (irrevocably). True when the filter is in place."""
     import torch.distributed as dist  # noqa: PLC0415
 
+    from .. import _rank  # noqa: PLC0415
+
     numbers = _ARCHES.get(platform.machine())
     if numbers is None or os.name != "posix" or not dist.is_initialized():
         return False
+    if not _rank.launched:  # irrevocable: only in a rank process that ends after the check,
+        return False  # never in a torchrun worker running the check in place
     if dist.get_backend() != "gloo":
         return False
     import torch  # noqa: PLC0415
