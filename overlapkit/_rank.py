@@ -64,6 +64,18 @@ def log_path(log_dir: str, rank: int) -> str:
 
 
 def _die_with_parent() -> None:
+    # The forkserver (our parent) lives while any process holds the write end of its
+    # "alive" pipe: the caller, and every child it forks, which multiprocessing hands
+    # that end so that a child could start processes through the same server. Were a
+    # rank to keep it, a caller killed outright (kill -9, the OOM killer) would leave
+    # the forkserver waiting for the ranks and the ranks running on: close ours.
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
     # PR_SET_PDEATHSIG: the kernel sends SIGKILL when our parent dies. Linux only;
     # elsewhere the caller's cleanup is the only guard.
     try:

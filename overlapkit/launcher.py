@@ -381,6 +381,8 @@ class _Ranks:
     #: after the first failure, how long to wait for the other ranks' own errors,
     #: so that the lowest failing rank (not the fastest) is reported
     FAILURE_GRACE_S = 0.3
+    #: the longest the caller waits for its ranks without looking at its signals
+    WAKE_S = 0.5
 
     def __init__(self, spec: _rank.RankSpec, private: list[bytes] | None = None):
         self.spec, self.private = spec, private
@@ -419,7 +421,11 @@ class _Ranks:
             elif remaining is not None and remaining <= 0:
                 out.timed_out = True
                 break
-            ready = mp.connection.wait(list(pending), timeout=remaining)
+            # in slices: a Ctrl-C that the OS hands to another thread (a Jupyter kernel
+            # has several) wakes no thread blocked here, and Python runs the handler in
+            # the main thread only once it is back from the wait
+            step = self.WAKE_S if remaining is None else min(remaining, self.WAKE_S)
+            ready = mp.connection.wait(list(pending), timeout=step)
             for conn in ready:
                 rank = pending.pop(conn)
                 self._receive(conn, rank, out)

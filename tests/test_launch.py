@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -317,7 +318,11 @@ def test_interrupt_kills_every_rank(tmp_path):
     script.write_text(
         textwrap.dedent(
             """
-            import os, sys, time
+            import os, signal, sys, time
+            # Ctrl-C as at a terminal: a process started in the background of a
+            # non-interactive shell (as CI scripts start the suite) ignores SIGINT, and
+            # so would this script, inheriting it; the fresh-clone runs 11 and 15 hung so
+            signal.signal(signal.SIGINT, signal.default_int_handler)
             import overlapkit as ok
             def hang():
                 print("pid", os.getpid(), flush=True)
@@ -361,6 +366,71 @@ def test_interrupt_kills_every_rank(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_ctrl_c_that_lands_on_another_thread_still_interrupts_the_launch(tmp_path):
+    """The OS may hand a process's SIGINT to any thread (a Jupyter kernel has several);
+    the caller blocked waiting for its ranks would then not see it until they ended."""
+    script = tmp_path / "elsewhere.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import signal, sys, threading, time
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal
+            import overlapkit as ok
+            def ctrl_c_on_this_thread():
+                time.sleep(6)
+                signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+            threading.Thread(target=ctrl_c_on_this_thread, daemon=True).start()
+            start = time.monotonic()
+            try:
+                ok.launch(time.sleep, 600, world_size=2, timeout=100, quiet=True)
+            except KeyboardInterrupt:
+                print(f"interrupted after {time.monotonic() - start:.0f} s", flush=True)
+                sys.exit(3)
+            """
+        )
+    )
+    proc = _run([sys.executable, str(script)], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "interrupted after" in proc.stdout
+
+
+def test_a_caller_killed_outright_takes_its_ranks_and_forkserver_with_it(tmp_path):
+    """kill -9 runs no cleanup: the ranks must end by themselves. They held the forkserver's
+    "alive" pipe, so the forkserver (their parent, whose death kills them) lived on."""
+    script = tmp_path / "killed.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import time
+            import overlapkit as ok
+            ok.launch(time.sleep, 600, world_size=2, timeout=600)
+            """
+        )
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path)
+    everything = []
+    try:
+        parent = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(descendants_except_infrastructure(parent)) < 2:
+            time.sleep(0.1)
+        everything = parent.children(recursive=True)  # ranks, forkserver, resource tracker
+        assert len(everything) >= 3, f"the ranks did not start: {everything}"
+        time.sleep(0.5)
+        proc.kill()
+        proc.wait(10)
+        gone, alive = psutil.wait_procs(everything, timeout=20)
+        assert not alive, "still running 20 s after their caller was killed: " + ", ".join(
+            f"{p.pid} {' '.join(p.cmdline())[:60]}" for p in alive if p.is_running()
+        )
+    finally:
+        proc.kill()
+        for p in everything:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        proc.wait(10)
 
 
 @pytest.mark.gpu
