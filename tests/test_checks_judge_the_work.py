@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +18,8 @@ import torch.distributed.distributed_c10d as c10d
 
 import overlapkit as ok
 from overlapkit.grading import answers
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 
@@ -1315,6 +1320,50 @@ def _laundered(modname: str):
     return copy
 
 
+def fit_by_a_laundered_copy(sizes, times):
+    return _laundered("overlapkit.costmodel").fit_alpha_beta(sizes, times)
+
+
+def _renamed(fn):  # the kit's code object under another name: its exact key no longer matches
+    code = fn.__code__.replace(co_name=fn.__name__ + "_")
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__)
+
+
+fit_by_a_renamed_code_object = _renamed(ok.costmodel.fit_alpha_beta)
+
+
+def one_f_one_b_by_a_laundered_copy(stages, micro_batches):
+    schedule = _laundered("overlapkit.pipeline").make_schedule("1f1b", stages, micro_batches)
+    return [[str(action) for action in stage] for stage in schedule]
+
+
+def zero1_by_a_laundered_copy(flat_params, flat_grads, shard, optimizer):
+    kit = _laundered("overlapkit.sharded").ShardedOptimizer
+    opt = kit.__new__(kit)  # the kit's step on the check's own pieces
+    opt.shard, opt.inner = shard, optimizer
+    opt.params, opt.padded = [flat_params], flat_params.numel()
+    flat_params.grad = flat_grads
+    try:
+        kit.step(opt)
+    finally:
+        flat_params.grad = None
+
+
+@pytest.mark.parametrize("check, fn", [
+    (ok.grading.check_fit_alpha_beta, fit_by_a_laundered_copy),
+    (ok.grading.check_fit_alpha_beta, fit_by_a_renamed_code_object),
+    (ok.grading.check_1f1b_schedule, one_f_one_b_by_a_laundered_copy),
+    (ok.grading.check_zero1_step, zero1_by_a_laundered_copy),
+])  # fmt: skip
+def test_an_edited_copy_of_the_kits_answer_is_still_its_answer(check, fn, capsys):
+    """Red team round 5: a line added to every function of a kit module's source, or the
+    kit's code object renamed, made a copy the exact key did not know."""
+    result = check(fn)
+    assert not result.all_passed
+    out = capsys.readouterr().out
+    assert "an edited copy" in out and "write it yourself" in out, out
+
+
 def bytes_by_a_laundered_copy(collective, nbytes, world):
     return _laundered("overlapkit.costmodel").bytes_moved_per_rank(collective, nbytes, world)
 
@@ -1323,16 +1372,27 @@ def buckets_by_a_laundered_copy(sizes, bucket_mb):
     return _laundered("overlapkit.costmodel").ddp_buckets(sizes, bucket_mb)
 
 
-_OPEN = (
-    "issue 21 open: copies are recognised by an exact key; similarity matching is the "
-    "plan (a pass here means it works: drop the mark)"
+_SHORT = (
+    "by design (answers.COPY_MIN_TOKENS): an answer this short is written the same way by "
+    "honest work (lab 07's own solution holds 95% of ddp_buckets); a pass here means copies "
+    "of short answers are told apart: drop the mark"
 )
 
 
-@pytest.mark.xfail(strict=True, reason=_OPEN)
+@pytest.mark.xfail(strict=True, reason=_SHORT)
 @pytest.mark.parametrize("check, fn", [
     (ok.grading.check_bytes_moved, bytes_by_a_laundered_copy),
     (ok.grading.check_assign_buckets, buckets_by_a_laundered_copy),
 ])  # fmt: skip
-def test_an_edited_copy_of_the_kits_answer_is_still_its_answer(check, fn):
+def test_an_edited_copy_of_a_short_answer_is_not_told_from_the_work(check, fn):
     assert not check(fn).all_passed
+
+
+def test_the_honest_greedy_loop_that_reads_like_the_kits_passes_the_bucket_check():
+    """What reverted the first similarity matching (66f63b8): lab 07's own solution."""
+    nb = json.loads((ROOT / "solutions" / "07_bucketing.ipynb").read_text())
+    source = next("".join(c["source"]) for c in nb["cells"]
+                  if "def assign_buckets" in "".join(c["source"]))  # fmt: skip
+    space: dict = {}
+    exec(compile(source, "<lab 07 solution>", "exec"), space)
+    assert ok.grading.check_assign_buckets(space["assign_buckets"]).all_passed

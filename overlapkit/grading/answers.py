@@ -11,9 +11,16 @@ would miss every other way to it::
 
 All of them run the same *code objects*. So a check watches those (the answer's functions,
 its classes' methods, and the functions nested in them) while the learner's function
-runs, and fails it when one starts: in the calling thread, in threads started meanwhile,
-and in the kit's communication workers (an async op runs its task under the caller's
-watch, see ``collectives._Executor``).
+runs, and fails it when one starts: in the calling thread, in threads started meanwhile
+(``_thread``'s too), and in the kit's communication workers (an async op runs its task
+under the caller's watch, see ``collectives._Executor``). A copy compiled anew from the
+kit's source is recognised by what its code does (:func:`_key`); a copy edited a little
+(unused lines added, names changed, a code object renamed: red team round 5) by how much
+of the answer's instructions it holds, in order (:func:`_copy_of`). That takes an answer
+long enough that honest work never reads like it (:data:`COPY_MIN_TOKENS`): the short
+ones (lab 07's greedy bucket loop, a byte count, a memory formula, lab 09's average) are
+written the same way by everyone, our own solutions included, and a copy of those is
+not told from the work.
 
 Each check's answers are listed once, in :data:`ANSWERS`, by dotted name under
 ``overlapkit``: a module (every function and class defined in it), a class (its methods,
@@ -35,7 +42,10 @@ refusal takes nothing from it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import difflib
+import dis
 import importlib
 import inspect
 import itertools
@@ -228,6 +238,68 @@ def _telling(code: types.CodeType) -> bool:
     return not code.co_name.startswith("<") and len(code.co_code) >= TELLING_BYTES
 
 
+#: an answer's function is recognised in an edited copy only with at least this many
+#: instructions: below, honest functions (the solutions', the tests' learners') hold up to
+#: 95% of one (lab 07's greedy loop and ok.costmodel.ddp_buckets, 55); from 57 up, 67% at
+#: most (measured over 1,076 functions, 165 answers)
+COPY_MIN_TOKENS = 64
+#: the share of such an answer's instructions, in order, that makes a function its copy;
+#: unused lines added anywhere take nothing from it
+COPIED = 0.85
+#: instructions whose argument is kept: the names and constants a function uses (its own
+#: variables' names and its jumps' targets are left out: a copy renames and moves those)
+_NAMED = {"LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "LOAD_NAME", "IMPORT_NAME", "IMPORT_FROM",
+          "STORE_ATTR", "LOAD_CONST", "KW_NAMES", "COMPARE_OP", "BINARY_OP"}  # fmt: skip
+_tokens_of: dict[int, tuple] = {}
+
+
+def _tokens(code: types.CodeType) -> tuple:
+    """What a function does, as its instructions (see :data:`_NAMED`)."""
+    entry = _tokens_of.get(id(code))
+    if entry is None or entry[0] is not code:  # (the entry keeps its code's id its own)
+        out = []
+        for ins in dis.get_instructions(code):
+            if ins.opname in ("RESUME", "NOP", "CACHE", "EXTENDED_ARG"):
+                continue
+            arg = ins.argval if ins.opname in _NAMED else None
+            if not isinstance(arg, (str, int, float, bool, type(None))):
+                arg = type(arg).__name__
+            out.append((ins.opname, arg))
+        entry = _tokens_of[id(code)] = (code, tuple(out), collections.Counter(out))
+    return entry[1]
+
+
+def _shapes(codes: dict) -> list:
+    """The answers' functions an edited copy of which is recognised: the kit's own
+    (not the methods dataclasses generate, alike in every dataclass), long enough."""
+    found = []
+    for code, label in codes.items():
+        if code.co_filename.startswith(_KIT) and len(_tokens(code)) >= COPY_MIN_TOKENS:
+            found.append((_tokens(code), _tokens_of[id(code)][2], label))
+    return found
+
+
+def _copy_of(code: types.CodeType, shapes: list) -> str | None:
+    """The answer (its label, and how much of it) that ``code`` is an edited copy of:
+    ``code`` holds at least :data:`COPIED` of its instructions in their order."""
+    # (an instruction takes two bytes or more: too short a function is let go before dis)
+    if not shapes or len(code.co_code) < 2 * COPIED * COPY_MIN_TOKENS:
+        return None
+    mine = _tokens(code)
+    counts = _tokens_of[id(code)][2]
+    for theirs, their_counts, label in shapes:
+        if len(mine) < COPIED * len(theirs):
+            continue
+        # the instructions both have, whatever the order: an upper bound, and cheap
+        if sum((counts & their_counts).values()) < COPIED * len(theirs):
+            continue
+        blocks = difflib.SequenceMatcher(None, mine, theirs, autojunk=False).get_matching_blocks()
+        held = sum(b.size for b in blocks) / len(theirs)
+        if held >= COPIED:
+            return f"{label} (an edited copy: {held:.0%} of its instructions, in their order)"
+    return None
+
+
 def _trusted() -> frozenset[int]:
     """The ids of the code objects of the kit's and torch.distributed's own modules, as
     loaded (by identity: code compiled elsewhere under their file names is not theirs):
@@ -262,6 +334,7 @@ def _watch(codes: dict, ran: list, before, counter):
     # functions only by identity (a learner's `[p for p in ...]` may well read like the kit's)
     labels = {_key(code): label for code, label in codes.items() if _telling(code)}
     watched = frozenset(labels)
+    shapes = _shapes(codes)  # and a copy edited a little, by what it holds of a long answer
     # id(code) -> (code, its answer's name or None), worked out once per code object: a
     # code object hashes by value (its constants' tuple again on every call), an id does
     # not; the entry keeps the code alive, so that its id is not another's later
@@ -282,6 +355,8 @@ def _watch(codes: dict, ran: list, before, counter):
             else:
                 key = _key(code)
                 label = labels.get(key, "ok.?") if key in watched else None
+                if label is None and _telling(code):
+                    label = _copy_of(code, shapes)
             entry = known[id(code)] = (code, label)
         return entry[1]
 
@@ -475,5 +550,5 @@ def said(ran: list[str]) -> str:
     names = first + (f" (and {len(more)} more of the kit's functions)" if more else "")
     return (
         f"ran {names}, the kit's own answer (however it was reached: an alias, a subclass, a "
-        "wrapper or a default argument runs the same code): write it yourself"
+        "wrapper, a default argument or an edited copy runs the same code): write it yourself"
     )
