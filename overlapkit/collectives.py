@@ -380,7 +380,9 @@ def _run_op(fn, op):
     return result
 
 
-class _Done:
+class _StreamEnd:
+    """Where an op's work on the communication stream ends: its CUDA event (None off CUDA)."""
+
     event = None
 
 
@@ -388,7 +390,7 @@ class _Done:
 def _comm_stream(device, ready):
     """On CUDA, run on the kit's communication stream, after ``ready``; yields an object
     whose ``event`` marks the end of the op's work on that stream."""
-    done = _Done()
+    done = _StreamEnd()
     stream = _cuda_streams.setdefault(device, torch.cuda.Stream(device))
     if ready is not None:
         stream.wait_event(ready)

@@ -44,7 +44,9 @@ import torch
 import torch.distributed as dist
 
 from . import costmodel, p2p, runtime
+from .builtin import builtin_all_reduce
 from .collectives import buckets_by_size, ring_all_reduce
+from .handles import Done
 
 __all__ = [
     "NaiveDDP",
@@ -61,14 +63,14 @@ __all__ = [
 
 
 def _resolve_all_reduce(all_reduce, group):
-    """(``flat -> handle``, its group, whether it averages): the built-in on a process
-    group of the wrapper's own (so a learner's ``dist.all_reduce`` on the default group
-    never pairs with it), the kit's ring (``"ring"`` or ``ok.ring_all_reduce``: async, so
-    an emulated link applies), or any ``fn(tensor, async_op=True)`` that sums in place."""
+    """(``flat -> handle``, its group, whether it averages): the built-in (on ``group`` as
+    PyTorch's DDP does with ``process_group``; without one, on a process group of the kit's
+    own, so that a learner's ``dist.all_reduce`` on the default group never pairs with it),
+    the kit's ring (``"ring"`` or ``ok.ring_all_reduce``: async, so an emulated link
+    applies), or any ``fn(tensor, async_op=True)`` that sums in place."""
     if all_reduce is None or all_reduce == "builtin":
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        own = dist.new_group(ranks=ranks)
-        return lambda flat: dist.all_reduce(flat, group=own, async_op=True), own, False
+        own = _own_group() if group is None else group
+        return lambda flat: builtin_all_reduce(flat, group=own, async_op=True), own, False
     if all_reduce == "ring" or all_reduce is ring_all_reduce:
         # the ring averages as it goes (each rank divides its reduced chunk): no pass after
         reduce = lambda flat: ring_all_reduce(flat, op="avg", group=group, async_op=True)  # noqa: E731
@@ -81,11 +83,19 @@ def _resolve_all_reduce(all_reduce, group):
     )
 
 
-class _Done:
-    """What a synchronous ``all_reduce`` returns (``None``) stands for: already done."""
+_own: list = []  # [(the default group it was made in, the kit's own group of all ranks)]
 
-    def wait(self, *args, **kwargs):
-        return True
+
+def _own_group():
+    """One process group of every rank for the wrappers' built-in AllReduces, made once per
+    default group (a new group per wrapper piled up connections in a bucket-size sweep).
+    Every rank makes it at its first wrapper, so at the same point of the program: a new
+    group is a collective call of every rank. A subgroup is never made here: ranks outside
+    it would have to join the call, which a wrapper built on {0, 2} alone cannot ask of 1 and 3."""
+    world = dist.distributed_c10d._get_default_group()
+    if not _own or _own[0][0] is not world:
+        _own[:] = [(world, dist.new_group())]
+    return _own[0][1]
 
 
 # --------------------------------------------------------------------------- the wrappers
@@ -268,7 +278,7 @@ class _DataParallel(torch.nn.Module):
             elif p.grad.data_ptr() != part.data_ptr() or not p.grad.is_contiguous():
                 part.copy_(p.grad.reshape(-1))
                 p.grad = part.view_as(p)
-        handle = self._reduce(flat) or _Done()
+        handle = self._reduce(flat) or Done()
         if self.timeline is not None:
             # a bucket of one gradient is named after its parameter
             name = self._names[idx[0]] if len(idx) == 1 else f"bucket {b}"
@@ -328,7 +338,18 @@ class _DataParallel(torch.nn.Module):
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside only accumulate gradients locally; the first backward
-        after the block synchronises the accumulated sum (gradient accumulation)."""
+        after the block synchronises the accumulated sum (gradient accumulation).
+        Not between a synchronised backward and its ``finish_gradient_synchronization()``:
+        that backward's AllReduces work on the very buffers ``.grad`` views, and a backward
+        in the block would add into them while they are reduced (PyTorch's reducer has the
+        same buffers; it leaves the order to you, the kit refuses it)."""
+        if self._state == "backward" and not self._no_sync:
+            flying = sum(1 for _, _, h in self._inflight if not _ended(h))
+            raise RuntimeError(
+                f"{type(self).__name__}.no_sync() after a backward whose gradients were not "
+                f"synchronised yet ({flying} AllReduce(s) still in flight on the buffers .grad "
+                "views): call finish_gradient_synchronization() first, then accumulate"
+            )
         self._no_sync += 1
         try:
             yield
@@ -348,6 +369,11 @@ class _DataParallel(torch.nn.Module):
         sizes = ", ".join(f"{r['bytes'] / 2**20:.3g}" for r in self.bucket_table()[:8])
         more = " ..." if len(self.buckets) > 8 else ""
         return f"buckets (MiB, launch order): [{sizes}{more}]"
+
+
+def _ended(handle) -> bool:
+    done = getattr(handle, "is_completed", None)
+    return bool(done()) if callable(done) else False
 
 
 def _describe(entry) -> str:

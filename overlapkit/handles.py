@@ -35,6 +35,17 @@ def _format_site(site) -> str:
     return "?" if site is None else f"{os.path.basename(site[0])}:{site[1]}"
 
 
+class Done:
+    """The handle of an operation that has already ended: what a synchronous call (which
+    returns ``None``) stands for where a handle is expected."""
+
+    def wait(self, *args, **kwargs) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
 class UnwaitedOperationWarning(UserWarning):
     """An operation was started and never waited before the launched function returned."""
 

@@ -205,7 +205,7 @@ class RowParallelLinear(torch.nn.Module):
 # --------------------------------------------------------------------------- decomposed
 
 
-def _pieces(rows: int, chunks: int, what: str) -> list[tuple[int, int]]:
+def _row_ranges(rows: int, chunks: int, what: str) -> list[tuple[int, int]]:
     """Row ranges of the ``chunks`` pieces a shard travels in (sizes differ by ≤ 1)."""
     if not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"rank {dist.get_rank()}: chunks must be an integer ≥ 1, got {chunks!r}")
@@ -272,7 +272,7 @@ class _AllGatherMatmul(torch.autograd.Function):
 
         me, world, left, right = _checked_ring(x, weight, group, check, "all_gather_matmul")
         rows = x.shape[0]
-        pieces = _pieces(rows, chunks, "input shard")
+        pieces = _row_ranges(rows, chunks, "input shard")
         now = time.perf_counter
         w = weight.detach().t()
         out = x.new_empty((world * rows, weight.shape[0]))
@@ -346,7 +346,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
                 f"rank {dist.get_rank()}: {x.shape[0]} rows do not split into {world} blocks"
             )
         rows = x.shape[0] // world
-        pieces = _pieces(rows, chunks, "output block")
+        pieces = _row_ranges(rows, chunks, "output block")
         now = time.perf_counter
         xd, w = x.detach(), weight.detach().t()
         out = x.new_empty((rows, weight.shape[0]))

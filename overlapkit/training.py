@@ -36,7 +36,9 @@ import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from . import runtime
+from .builtin import builtin_all_reduce
 from .collectives import ring_all_reduce
+from .handles import Done
 
 __all__ = ["Task", "train", "History", "MODES", "builtin_all_reduce"]
 
@@ -72,7 +74,13 @@ class Task:
         return x, y
 
     def model(self) -> torch.nn.Module:
-        torch.manual_seed(self.seed + 1)
+        """The student MLP, with the same initial weights on every rank and every call,
+        drawn without touching the caller's random numbers (its dropout, its sampling)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed + 1)
+            return self._student()
+
+    def _student(self) -> torch.nn.Module:
         return torch.nn.Sequential(
             torch.nn.Linear(self.inputs, self.hidden), torch.nn.Tanh(),
             torch.nn.Linear(self.hidden, self.hidden), torch.nn.Tanh(),
@@ -92,41 +100,9 @@ class History:
     compute_time: list[float] = field(default_factory=list)  # forward+backward (+ slowdown)
 
 
-class _Done:
-    def wait(self):
-        return None
-
-
 def _alone(tensor, op="sum", async_op=False):
     """The AllReduce of one rank: the tensor as it is (a done handle when async)."""
-    return _Done() if async_op else None
-
-
-class _Averaged:
-    """The handle of a built-in async AllReduce whose wait() also divides (op avg)."""
-
-    def __init__(self, work, tensor, world):
-        self.work, self.tensor, self.world = work, tensor, world
-
-    def wait(self):
-        self.work.wait()
-        self.tensor /= self.world
-
-
-def builtin_all_reduce(tensor, op="sum", async_op=False):
-    """PyTorch's own AllReduce (gloo/NCCL) with the kit's signature (``op="avg"`` too, which
-    gloo lacks): the yardstick, and the fast path when the link is not the lesson."""
-    ops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-           "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}  # fmt: skip
-    if op not in ops:
-        raise ValueError(f"op must be one of {', '.join(ops)}; got {op!r}")
-    work = dist.all_reduce(tensor, op=ops[op], async_op=async_op)
-    world = dist.get_world_size()
-    if async_op:
-        return _Averaged(work, tensor, world if op == "avg" else 1)
-    if op == "avg":
-        tensor /= world
-    return None
+    return Done() if async_op else None
 
 
 def _flat_grads(model) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import overlapkit as ok
 
@@ -156,6 +157,55 @@ def _accumulate(all_reduce):
 def test_no_sync_accumulation_equals_one_big_batch(all_reduce):
     diffs = ok.launch(_accumulate, all_reduce, world_size=2, timeout=60)
     assert all(d < 1e-5 for d in diffs), diffs
+
+
+def _two_data_parallel_groups(all_reduce):
+    """Four ranks, two replicas of two ranks each ({0, 2} and {1, 3}), each on its group."""
+    me = ok.rank()
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank makes both
+    torch.manual_seed(10 + me)  # rank 0 (resp. 1) of each group broadcasts its weights
+    model = torch.nn.Linear(4, 2)
+    wrapper = ok.BucketedDDP(model, bucket_mb=None, all_reduce=all_reduce, group=groups[me % 2])
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(me))
+    wrapper(x).sum().backward()
+    wrapper.finish_gradient_synchronization()
+    return model.weight.detach().clone(), model.weight.grad.clone(), x
+
+
+@pytest.mark.parametrize("all_reduce", [None, "ring"])
+def test_wrappers_on_two_subgroups_at_once_average_within_their_own(all_reduce):
+    """Issue 22, item 1: the built-in path made a group of the wrapper's ranks alone, a call
+    the other group's ranks never joined (a hang, or groups cross-wired)."""
+    out = ok.launch(_two_data_parallel_groups, all_reduce, world_size=4, timeout=90)
+    for members in ([0, 2], [1, 3]):
+        # d(sum of outputs)/dW: every row is the sum of the rank's inputs; averaged in-group
+        want = sum(out[r][2].sum(0) for r in members) / 2
+        for r in members:
+            assert torch.equal(out[r][0], out[members[0]][0]), "weights differ in a group"
+            assert torch.allclose(out[r][1], want.expand(2, 4), atol=1e-6), (r, out[r][1])
+    assert not torch.equal(out[0][0], out[1][0])  # the two groups kept their own weights
+
+
+def _no_sync_right_after_a_synchronised_backward():
+    wrapper = ok.BucketedDDP(torch.nn.Linear(4, 4), bucket_mb=None, all_reduce="ring")
+    wrapper(torch.randn(2, 4)).sum().backward()  # its AllReduce launched, not waited
+    try:
+        with wrapper.no_sync():
+            pass
+    except RuntimeError as exc:
+        said = str(exc)
+    else:
+        said = "no error"
+    wrapper.finish_gradient_synchronization()
+    return said
+
+
+def test_no_sync_while_the_last_backwards_all_reduces_fly_is_refused():
+    """Issue 22, item 4: a backward inside that block added into .grad views of buffers the
+    communication thread was still reducing: silent garbage."""
+    said = ok.launch(_no_sync_right_after_a_synchronised_backward, world_size=2, timeout=60)
+    for message in said:
+        assert "call finish_gradient_synchronization() first" in message, message
 
 
 def _torch_ddp_with_kit_hook():

@@ -64,3 +64,18 @@ def test_the_straggler_sleeps_only_on_its_rank():
 def test_bad_training_options_are_refused_clearly(kwargs, words):
     with pytest.raises(ValueError, match=words.replace("{", r"\{").replace("}", r"\}")):
         train(Task(), steps=2, **kwargs)
+
+
+def test_building_the_tasks_model_leaves_the_callers_random_numbers_alone():
+    """Task.model() (called by every evaluation too) reset the global seed: a learner's
+    dropout or sampling then drew the same numbers after each evaluation (issue 22, item 10)."""
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    task = Task()
+    first = task.model()
+    assert torch.equal(torch.rand(3), expected)
+    again = task.model()  # and still the same initial weights every call
+    assert all(
+        torch.equal(a, b) for a, b in zip(first.parameters(), again.parameters(), strict=True)
+    )
