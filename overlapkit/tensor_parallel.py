@@ -177,7 +177,9 @@ class RowParallelLinear(torch.nn.Module):
     """``y = x Wᵀ + b`` with W's input features (columns) split across ranks: rank r takes
     its slice of x's features (what a column-parallel layer returns) and the partial
     outputs are summed — all-reduced, or with ``sequence_parallel`` reduce-scattered along
-    dim 0. The bias is added once, after the sum."""
+    dim 0. The bias is added once, after the sum. It is replicated, so it must be the same
+    on every rank: ``from_layer``'s, or else zeros (as Megatron initialises it; a bias drawn
+    by each rank's own random numbers would differ from rank to rank)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
                  sequence_parallel: bool = False,
@@ -186,8 +188,12 @@ class RowParallelLinear(torch.nn.Module):
         self.group, self.sequence_parallel = group, sequence_parallel
         full = from_layer or torch.nn.Linear(in_features, out_features, bias=bias)
         self.weight = torch.nn.Parameter(_shard(full.weight.detach(), 1, group))
-        self.bias = (torch.nn.Parameter(full.bias.detach().clone())
-                     if full.bias is not None else None)  # fmt: skip
+        if full.bias is None:
+            self.bias = None
+        elif from_layer is None:
+            self.bias = torch.nn.Parameter(torch.zeros_like(full.bias))
+        else:
+            self.bias = torch.nn.Parameter(full.bias.detach().clone())
 
     def forward(self, x):
         partial = torch.nn.functional.linear(x, self.weight)

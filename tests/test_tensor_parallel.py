@@ -147,3 +147,16 @@ def _bad_decomposed(case):
 def test_the_decomposed_matmuls_refuse_bad_input_naming_rank_and_sizes(case, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         ok.launch(_bad_decomposed, case, world_size=2, timeout=30)
+
+
+def _row_parallel_bias_built_by_each_rank():
+    torch.manual_seed(100 + ok.rank())  # each rank's own random numbers, as in a real job
+    return RowParallelLinear(6, 4).bias.detach().clone()
+
+
+def test_a_row_parallel_bias_built_without_a_layer_is_the_same_on_every_rank():
+    """Issue 22, item 8: the replicated bias came from each rank's own random numbers, so
+    every rank added a different one after the sum (Megatron zero-initialises it)."""
+    biases = ok.launch(_row_parallel_bias_built_by_each_rank, world_size=2, timeout=60)
+    assert torch.equal(biases[0], biases[1]), biases
+    assert torch.equal(biases[0], torch.zeros(4))
