@@ -159,8 +159,9 @@ class MoELayer(torch.nn.Module):
         expert, gate = route(x, self.router)
         # one sort for every chunk, by chunk and then by expert (stable): chunk c's tokens
         # for rank j are one contiguous block; with local_first this rank's own go first
-        sizes = torch.tensor([hi - lo for lo, hi in chunk_bounds(len(x), k)])
-        key = torch.repeat_interleave(torch.arange(k), sizes) * world + expert
+        # (made on the tokens' device: the router's choices live there, on a GPU too)
+        sizes = torch.tensor([hi - lo for lo, hi in chunk_bounds(len(x), k)], device=x.device)
+        key = torch.repeat_interleave(torch.arange(k, device=x.device), sizes) * world + expert
         send = torch.bincount(key, minlength=k * world).view(k, world)
         self.tokens_sent = int(send.sum() - send[:, me].sum())  # left this rank
         local = 0
@@ -173,7 +174,8 @@ class MoELayer(torch.nn.Module):
         # would pair one rank's dispatch with another's combine
         mine = int(self.local_first)
         try:
-            recv = exchange_counts(torch.cat([send, torch.full((1, world), mine)]), self.group)
+            schedule = torch.full((1, world), mine, device=send.device)
+            recv = exchange_counts(torch.cat([send, schedule]), self.group)
         except CollectiveMismatchError as e:
             raise ValueError(
                 f"rank {me}: MoELayer runs with chunks={k} here, but the ranks disagree on "

@@ -142,3 +142,22 @@ def test_the_moe_layer_refuses_bad_input_naming_rank_and_sizes(case, words):
     with pytest.raises(ValueError, match=words) as info:
         ok.launch(_bad_moe, case, world_size=2, timeout=30)
     print(info.value)
+
+
+def _moe_on_a_gpu():
+    me, world = ok.rank(), ok.world_size()
+    device = ok.device() if ok.device().type == "cuda" else torch.device("cuda", 0)
+    router, experts = make_moe(D, 10, world, seed=3)
+    layer = MoELayer(router, experts, chunks=2, local_first=True).to(device)
+    x = _tokens(me, 7)
+    got = layer(x.to(device))
+    return (got.cpu() - reference_moe(x, router, experts)).abs().max().item()
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_moe_layer_keeps_its_bookkeeping_on_the_tokens_device():
+    """Issue 22, item 7: split sizes, arange and full were made on the CPU and mixed with
+    the router's choices on the GPU (a device mismatch)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    assert all(d < 1e-4 for d in ok.launch(_moe_on_a_gpu, world_size=2, timeout=120))
