@@ -24,7 +24,9 @@ and only after every earlier bucket was launched, so that every rank issues
 the same AllReduces in the same order (matching is by issue order, as in NCCL).
 
 Contract (shared with PyTorch's ``DistributedDataParallel``): rank 0's
-parameters and buffers are broadcast at construction; ``.module`` is the
+parameters and buffers are broadcast at construction, and its buffers again before each
+training forward outside ``no_sync()`` (``broadcast_buffers=False`` to keep each rank's
+own, as in PyTorch; the broadcast is the built-in one, outside an emulated link); ``.module`` is the
 wrapped model; ``parameters()`` are the model's; gradients are **averaged**;
 frozen parameters are left alone; a tied parameter is reduced once; a
 parameter that got no gradient on a rank this step contributes zeros there
@@ -107,7 +109,7 @@ class _DataParallel(torch.nn.Module):
     overlap = True
 
     def __init__(self, module: torch.nn.Module, bucket_mb, all_reduce=None, group=None,
-                 timeline=None):  # fmt: skip
+                 timeline=None, broadcast_buffers=True):  # fmt: skip
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError(
@@ -121,6 +123,7 @@ class _DataParallel(torch.nn.Module):
         self.module = module
         self.timeline = timeline
         self.group = group
+        self.broadcast_buffers = broadcast_buffers
         self.world = dist.get_world_size(group)
         # parameters() yields a tied parameter once: it is reduced once
         self._params = [p for p in module.parameters() if p.requires_grad]
@@ -180,10 +183,21 @@ class _DataParallel(torch.nn.Module):
                     )
 
     @torch.no_grad()
-    def _broadcast_from_rank0(self) -> None:
+    def _broadcast_from_rank0(self, buffers_only: bool = False) -> None:
+        """Rank 0's (of the group) parameters and buffers, or buffers alone, on every rank:
+        one broadcast per dtype and device (BatchNorm alone has three buffers a layer)."""
         src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
-        for t in [*self.module.parameters(), *self.module.buffers()]:
-            dist.broadcast(t.data, src=src, group=self._comm_group)
+        tensors = [*([] if buffers_only else self.module.parameters()), *self.module.buffers()]
+        kinds: dict = {}
+        for t in tensors:
+            kinds.setdefault((t.dtype, t.device), []).append(t)
+        for same in kinds.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in same])
+            dist.broadcast(flat, src=src, group=self._comm_group)
+            offset = 0
+            for t in same:
+                t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
 
     def _detach(self) -> None:
         for h in self._hooks:
@@ -210,6 +224,11 @@ class _DataParallel(torch.nn.Module):
                 )
             if self._state != "backward":
                 self._state = "forward"
+        if self.broadcast_buffers and torch.is_grad_enabled() and not self._no_sync:
+            # as PyTorch's DDP (broadcast_buffers=True): rank 0's buffers (BatchNorm's
+            # running statistics) before each training forward, so the replicas agree
+            if next(self.module.buffers(), None) is not None:
+                self._broadcast_from_rank0(buffers_only=True)
         start = time.perf_counter()
         out = self.module(*args, **kwargs)
         if self.timeline is not None:
@@ -406,9 +425,10 @@ class NaiveDDP(_DataParallel):
 
     overlap = False
 
-    def __init__(self, module, all_reduce=None, group=None, timeline=None):
+    def __init__(self, module, all_reduce=None, group=None, timeline=None,
+                 broadcast_buffers=True):  # fmt: skip
         super().__init__(module, bucket_mb=1e-9, all_reduce=all_reduce, group=group,
-                         timeline=timeline)  # fmt: skip
+                         timeline=timeline, broadcast_buffers=broadcast_buffers)  # fmt: skip
 
 
 class OverlapDDP(_DataParallel):
@@ -421,9 +441,10 @@ class OverlapDDP(_DataParallel):
         comm       |▒| |▒▒| |▒| |▒▒|▒|     hidden, but every message pays the latency α
     """
 
-    def __init__(self, module, all_reduce=None, group=None, timeline=None):
+    def __init__(self, module, all_reduce=None, group=None, timeline=None,
+                 broadcast_buffers=True):  # fmt: skip
         super().__init__(module, bucket_mb=1e-9, all_reduce=all_reduce, group=group,
-                         timeline=timeline)  # fmt: skip
+                         timeline=timeline, broadcast_buffers=broadcast_buffers)  # fmt: skip
 
 
 class BucketedDDP(_DataParallel):
@@ -438,9 +459,9 @@ class BucketedDDP(_DataParallel):
     """
 
     def __init__(self, module, bucket_mb: float | None = 25, all_reduce=None, group=None,
-                 timeline=None):  # fmt: skip
+                 timeline=None, broadcast_buffers=True):  # fmt: skip
         super().__init__(module, bucket_mb=bucket_mb, all_reduce=all_reduce, group=group,
-                         timeline=timeline)  # fmt: skip
+                         timeline=timeline, broadcast_buffers=broadcast_buffers)  # fmt: skip
 
 
 # --------------------------------------------------------------------------- PyTorch DDP

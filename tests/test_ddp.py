@@ -208,6 +208,52 @@ def test_no_sync_while_the_last_backwards_all_reduces_fly_is_refused():
         assert "call finish_gradient_synchronization() first" in message, message
 
 
+class BatchNormNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn, self.out = (
+            torch.nn.Linear(4, 6),
+            torch.nn.BatchNorm1d(6),
+            torch.nn.Linear(6, 2),
+        )
+
+    def forward(self, x):
+        return self.out(torch.relu(self.bn(self.lin(x))))
+
+
+def _batchnorm_beside_torch_ddp(broadcast):
+    """The kit's wrapper and PyTorch's DDP side by side, each rank on data of its own."""
+    me = ok.rank()
+    torch.manual_seed(0)
+    ours = BatchNormNet()
+    theirs = BatchNormNet()
+    theirs.load_state_dict(ours.state_dict())
+    kit = ok.BucketedDDP(ours, bucket_mb=None, broadcast_buffers=broadcast)
+    ddp = torch.nn.parallel.DistributedDataParallel(theirs, broadcast_buffers=broadcast)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    gen = torch.Generator().manual_seed(me)
+    for _ in range(4):
+        x = torch.randn(8, 4, generator=gen) * (1 + me) + me  # statistics differ by rank
+        y = torch.randn(8, 2, generator=gen)
+        torch.nn.functional.mse_loss(kit(x), y).backward()
+        kit.finish_gradient_synchronization()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    want = theirs.state_dict()
+    return {k: (v - want[k]).abs().max().item() for k, v in ours.state_dict().items()}
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_buffers_follow_torch_ddps_broadcast_buffers(broadcast):
+    """Issue 22, item 3: buffers were broadcast at construction only; PyTorch's DDP does it
+    before every forward by default, so BatchNorm's running statistics drifted apart."""
+    for rank, diffs in enumerate(ok.launch(_batchnorm_beside_torch_ddp, broadcast, world_size=2,
+                                           timeout=90)):  # fmt: skip
+        assert all(d < 1e-5 for d in diffs.values()), (rank, diffs)
+
+
 def _torch_ddp_with_kit_hook():
     me = ok.rank()
     ours, theirs = _mlp(), _mlp()
