@@ -23,16 +23,16 @@ backward; the wrapper launches a bucket the moment all its gradients are in —
 and only after every earlier bucket was launched, so that every rank issues
 the same AllReduces in the same order (matching is by issue order, as in NCCL).
 
-Contract (shared with PyTorch's ``DistributedDataParallel``): rank 0's
-parameters and buffers are broadcast at construction, and its buffers again before each
-training forward outside ``no_sync()`` (``broadcast_buffers=False`` to keep each rank's
-own, as in PyTorch; the broadcast is the built-in one, outside an emulated link); ``.module`` is the
-wrapped model; ``parameters()`` are the model's; gradients are **averaged**;
-frozen parameters are left alone; a tied parameter is reduced once; a
-parameter that got no gradient on a rank this step contributes zeros there
-(as ``find_unused_parameters``), and keeps ``grad=None`` if no rank gave it
-one. Call ``finish_gradient_synchronization()`` after ``backward()`` and
-before ``optimizer.step()``; inside ``no_sync()`` gradients only accumulate.
+Contract (shared with PyTorch's ``DistributedDataParallel``): rank 0's parameters and
+buffers are broadcast at construction, and its buffers again before each training forward
+outside ``no_sync()`` (``broadcast_buffers=False`` keeps each rank's own, as in PyTorch;
+the broadcast is the built-in one, outside an emulated link); ``.module`` is the wrapped
+model; ``parameters()`` are the model's; gradients are **averaged**; frozen parameters
+are left alone; a tied parameter is reduced once; a parameter that got no gradient on a
+rank this step contributes zeros there (as ``find_unused_parameters``), and keeps
+``grad=None`` if no rank used it (the last bucket carries one element per parameter
+saying which ranks did). Call ``finish_gradient_synchronization()`` after ``backward()``
+and before ``optimizer.step()``; inside ``no_sync()`` gradients only accumulate.
 """
 
 from __future__ import annotations
@@ -209,6 +209,7 @@ class _DataParallel(torch.nn.Module):
         self._state = state
         self._pending = [len(idx) for idx in self.buckets]
         self._got: set[int] = set()
+        self._unused_here: list = []  # (parameter, its reduced gradient) without .grad here
         self._next = 0
         self._inflight: list = []
         self._backward_start = self._backward_end = None
@@ -283,10 +284,17 @@ class _DataParallel(torch.nn.Module):
         in — and the average lands in ``.grad`` itself — no copy out."""
         idx = self.buckets[b]
         flat = self._flats[b]
+        # the last bucket also carries which parameters this rank used, one element each
+        # (PyTorch's used-parameter bitmap, without a message of its own): by its launch
+        # every other bucket is launched, so every parameter's use is known
+        last = b == len(self.buckets) - 1
         if flat is None:
             first = self._order[idx[0]]
-            numel = sum(self._order[i].numel() for i in idx)
+            numel = sum(self._order[i].numel() for i in idx) + (len(self._order) if last else 0)
             flat = self._flats[b] = torch.empty(numel, dtype=first.dtype, device=first.device)
+        if last:
+            used = [p.grad is not None for p in self._order]
+            flat[flat.numel() - len(used) :].copy_(torch.tensor(used, dtype=flat.dtype))
         offset = 0
         for i in idx:
             p = self._order[i]
@@ -333,9 +341,21 @@ class _DataParallel(torch.nn.Module):
                 self._launch(b)
             for b, flat, handle in self._inflight:
                 self._finish(b, flat, handle)
+        self._settle_unused()
         if self.timeline is not None and self._backward_start is not None:
             self.timeline.add("backward", self._backward_start, backward_end, "compute")
         self._reset("synced")
+
+    def _settle_unused(self) -> None:
+        """A parameter without a gradient here gets the reduced one if any rank used it
+        (zeros included: a gradient of zeros is a gradient, weight decay acts on it), and
+        keeps ``grad=None`` if no rank did, as in one process. Its use, not its values:
+        deciding by ``.any()`` left replicas apart (zeros on one rank, None on another)."""
+        flat = self._flats[-1]
+        used_anywhere = flat[flat.numel() - len(self._order) :] > 0
+        for p, part in self._unused_here:
+            if used_anywhere[self._index[id(p)]]:
+                p.grad = part
 
     @torch.no_grad()
     def _finish(self, b: int, flat: torch.Tensor, handle) -> None:
@@ -347,10 +367,8 @@ class _DataParallel(torch.nn.Module):
             p = self._order[i]
             part = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
-            if p.grad is None:
-                if i in self._got or part.any():
-                    p.grad = part
-                # else: no rank had a gradient for it: it stays None, as in one process
+            if p.grad is None:  # unused here: decided once every rank's use is known
+                self._unused_here.append((p, part))
             elif p.grad.data_ptr() != part.data_ptr():
                 p.grad.copy_(part)  # someone replaced .grad after the launch
 

@@ -254,6 +254,42 @@ def test_buffers_follow_torch_ddps_broadcast_buffers(broadcast):
         assert all(d < 1e-5 for d in diffs.values()), (rank, diffs)
 
 
+class SometimesZero(torch.nn.Module):
+    """``gate`` is used with a gradient of zeros on rank 0 and not used at all on rank 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.gate = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        out = self.lin(x)
+        return out + 0.0 * self.gate if ok.rank() == 0 else out
+
+
+def _zeros_here_unused_there(all_reduce):
+    torch.manual_seed(0)
+    model = SometimesZero()
+    wrapper = ok.BucketedDDP(model, bucket_mb=None, all_reduce=all_reduce)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5)
+    wrapper(torch.randn(2, 3)).sum().backward()
+    wrapper.finish_gradient_synchronization()
+    has_grad = model.gate.grad is not None
+    opt.step()
+    return has_grad, model.gate.detach().clone()
+
+
+@pytest.mark.parametrize("all_reduce", [None, "ring"])
+def test_a_parameter_used_with_zero_gradient_on_one_rank_has_a_gradient_on_every_rank(all_reduce):
+    """Issue 22, item 2: use was read from the values (part.any()): zeros here, None there,
+    and weight decay moved one replica's parameter only. As PyTorch's used-parameter bitmap
+    (find_unused_parameters=True), a parameter any rank used has a gradient on every rank."""
+    (grad0, gate0), (grad1, gate1) = ok.launch(_zeros_here_unused_there, all_reduce,
+                                               world_size=2, timeout=60)  # fmt: skip
+    assert grad0 and grad1, (grad0, grad1)
+    assert torch.equal(gate0, gate1), (gate0, gate1)
+
+
 def _torch_ddp_with_kit_hook():
     me = ok.rank()
     ours, theirs = _mlp(), _mlp()
