@@ -4,6 +4,7 @@ that a fix by name fails the other spelling)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import json
@@ -118,6 +119,51 @@ class ComposedDDP(torch.nn.Module):
 @pytest.mark.parametrize("cls", [SubclassedDDP, ComposedDDP])
 def test_the_kits_ddp_subclassed_or_wrapped_fails_the_hook_ddp_check(cls):
     _failed_with(ok.grading.check_hook_ddp(cls), "the kit's own answer", "ok.ddp.")
+
+
+class ReportRewritingDDP(torch.nn.Module):
+    """Red team round 6: no AllReduce at all; the launcher's encoders of the rank's result
+    are rebound, so that the report is rewritten after every in-rank check ran: the
+    weights and gradients it shows are the reference's the rank worked out itself."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        for t in module.state_dict().values():
+            dist.broadcast(t, src=0)
+        import overlapkit._rank as rank_module
+        import overlapkit.plaindata as plain
+
+        if getattr(rank_module, "_rewritten", False):
+            return
+        rank_module._rewritten = True
+        encode, encode_whole = plain.dumps, rank_module.dumps_result
+
+        def rewrite(value):
+            with contextlib.suppress(Exception):
+                res = value[0]
+                if len(res["trace"][0]) == 4:  # (got, want, right grads, grads)
+                    res["trace"] = [(dict(w), w, r, dict(r)) for _, w, r, _ in res["trace"]]
+                    sizes = [res["trace"][0][2][n].numel() for n in res["names"]]
+                    res["events"] = [{"in_backward": len(sizes), "pending": len(sizes),
+                                      "in_finish": 0, "calls": [(n, True) for n in sizes],
+                                      "left": 0} for _ in res["trace"]]  # fmt: skip
+            return value
+
+        plain.dumps = lambda value: encode(rewrite(value))
+        rank_module.dumps_result = lambda value: encode_whole(rewrite(value))
+
+    def forward(self, *args):
+        return self.module(*args)
+
+    def finish_gradient_synchronization(self):
+        pass
+
+
+def test_a_rank_that_rewrites_its_report_has_no_reference_to_copy():
+    """The whole batch is the judge's (a fresh seed, each rank sent its own slices), and so
+    is the reference: a report rewritten on the rank has only the rank's own to show."""
+    _failed_with(ok.grading.check_hook_ddp(ReportRewritingDDP), "each kept its own")
 
 
 def fit_by_import(sizes, times):

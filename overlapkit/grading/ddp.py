@@ -11,6 +11,8 @@ and — for the bucketed one — one AllReduce per bucket, launched in bucket or
 
 from __future__ import annotations
 
+import secrets
+
 import torch
 
 from .. import handles
@@ -54,13 +56,60 @@ def _net(seed: int = 0):
     return _Net()
 
 
-def _data(world: int):
-    gen = torch.Generator().manual_seed(5)
+def _data(world: int, seed: int):
+    """Every step's whole batch, drawn from ``seed``: the check draws it afresh each time
+    and sends each rank its own slices only (:func:`_slices`), so no rank can work out the
+    whole batch's gradients, and what a rank reports is judged against one process here."""
+    gen = torch.Generator().manual_seed(seed)
     return [
         (torch.randn(world * PER_RANK, 6, generator=gen), torch.randn(world * PER_RANK, 4,
                                                                      generator=gen))
         for _ in range(STEPS)
     ]  # fmt: skip
+
+
+def _slices(data, rank: int) -> dict:
+    sl = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    return {"batches": [(x[sl].clone(), y[sl].clone()) for x, y in data]}
+
+
+def _reference(data, world: int) -> list[tuple[dict, dict]]:
+    """(weights, averaged gradients) after each step of one process training on the whole
+    batch with rank 0's initial weights: what every rank must hold."""
+    reference = _net(seed=1)  # rank 0's model: the wrapper broadcasts it
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    out = []
+    for x, y in data:
+        # the mean over ranks of each rank's mean loss (= the whole batch's)
+        loss = sum(
+            torch.nn.functional.mse_loss(reference(x[r * PER_RANK : (r + 1) * PER_RANK]),
+                                         y[r * PER_RANK : (r + 1) * PER_RANK])
+            for r in range(world)
+        ) / world  # fmt: skip
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}
+        plain.step()
+        plain.zero_grad()
+        out.append(({n: p.detach().clone() for n, p in reference.named_parameters()}, grads))
+    return out
+
+
+def _run(report: Report, what: str, wrapper_cls, make_args, world: int, timeout: float,
+         forbid) -> list | None:  # fmt: skip
+    """Train with the learner's wrapper on ``world`` ranks, each on its own secret slices;
+    each rank's trace completed with the reference's (weights, gradients) per step."""
+    data = _data(world, secrets.randbits(62))
+    private = [_slices(data, r) for r in range(world)]
+    results = run_or_report(report, what, _train, wrapper_cls, make_args, world_size=world,
+                            timeout=timeout, link=CHECK_LINK, explain=_explain_race,
+                            forbid=forbid, rank_kwargs=private)  # fmt: skip
+    if results is not None:
+        refs = _reference(data, world)
+        for res, _ in results:
+            res["trace"] = [(got, want, right, grads)
+                            for (got, grads), (want, right) in zip(res["trace"], refs,
+                                                                   strict=False)]  # fmt: skip
+    return results
 
 
 def _kit_ops_issued() -> int:
@@ -101,36 +150,22 @@ class _Calls:
         return calls
 
 
-def _train(wrapper_cls, make_args):
-    """Rank body: train with the learner's wrapper and, alongside, the reference."""
+def _train(wrapper_cls, make_args, batches):
+    """Rank body: train with the learner's wrapper on this rank's ``batches``; the
+    weights and gradients after each step, and how it communicated."""
     import overlapkit as ok  # noqa: PLC0415
 
-    me, world = ok.rank(), ok.world_size()
+    me = ok.rank()
     handles.take_unwaited()
     with _Calls() as calls:
         model = wrapper_cls(_net(seed=1 + me), *make_args)  # a different init per rank
         calls.take()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        reference = _net(seed=1)  # rank 0's model: the wrapper broadcasts it
-        plain = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-        names = [n for n, p in reference.named_parameters() if p.requires_grad]
+        names = [n for n, p in _net().named_parameters() if p.requires_grad]
         trace, events = [], []
-        sl = slice(me * PER_RANK, (me + 1) * PER_RANK)
-        for x, y in _data(world):
-            # reference: the mean over ranks of each rank's mean loss (= the whole batch's)
-            ref_loss = sum(
-                torch.nn.functional.mse_loss(reference(x[r * PER_RANK : (r + 1) * PER_RANK]),
-                                             y[r * PER_RANK : (r + 1) * PER_RANK])
-                for r in range(world)
-            ) / world  # fmt: skip
-            ref_loss.backward()
-            local = {
-                n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None
-            }
-            plain.step()
-            plain.zero_grad()
+        for x, y in batches:
             issued = _kit_ops_issued()
-            loss = torch.nn.functional.mse_loss(model(x[sl]), y[sl])
+            loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
             in_backward = _kit_ops_issued() - issued
             during = calls.take()
@@ -149,8 +184,7 @@ def _train(wrapper_cls, make_args):
             opt.zero_grad(set_to_none=True)
             mine = dict(model.named_parameters())
             got = {n.removeprefix("module."): p.detach().clone() for n, p in mine.items()}
-            want = {n: p.detach().clone() for n, p in reference.named_parameters()}
-            trace.append((got, want, local, grads))
+            trace.append((got, grads))
     unwaited = handles.take_unwaited()
     buckets = getattr(model, "buckets", None)
     buckets = [list(b) for b in buckets] if isinstance(buckets, (list, tuple)) else None
@@ -430,10 +464,15 @@ def check_hook_ddp(wrapper_cls, world_size: int = WORLD, timeout: float = TIMEOU
     them in ``finish_gradient_synchronization()``.
     """
     report = Report("hook_ddp")
-    results = run_or_report(report, f"{wrapper_cls.__name__} on {world_size} ranks", _train,
-                            wrapper_cls, (), world_size=world_size, timeout=timeout,
-                            link=CHECK_LINK, explain=_explain_race,
-                            forbid=answers.of("check_hook_ddp"))  # fmt: skip
+    results = _run(
+        report,
+        f"{wrapper_cls.__name__} on {world_size} ranks",
+        wrapper_cls,
+        (),
+        world_size,
+        timeout,
+        answers.of("check_hook_ddp"),
+    )
     if results is None:
         _loop_hint(report)
         return report
@@ -610,11 +649,15 @@ def check_bucketed_ddp(wrapper_cls, bucket_mb: float = CHECK_BUCKET_MB, world_si
     order = list(reversed([p for p in _net().parameters() if p.requires_grad]))
     want = ddp_buckets([p.numel() * p.element_size() for p in order], bucket_mb)
     expect = [sum(order[i].numel() for i in b) for b in want]
-    results = run_or_report(report, f"{wrapper_cls.__name__}(bucket_mb={bucket_mb:.3g}) on "
-                            f"{world_size} ranks", _train, wrapper_cls, (bucket_mb,),
-                            world_size=world_size, timeout=timeout, link=CHECK_LINK,
-                            explain=_explain_race,
-                            forbid=answers.of("check_bucketed_ddp"))  # fmt: skip
+    results = _run(
+        report,
+        f"{wrapper_cls.__name__}(bucket_mb={bucket_mb:.3g}) on {world_size} ranks",
+        wrapper_cls,
+        (bucket_mb,),
+        world_size,
+        timeout,
+        answers.of("check_bucketed_ddp"),
+    )
     if results is None:
         _loop_hint(report)
         return report
