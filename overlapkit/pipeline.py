@@ -122,7 +122,10 @@ class PipelineError(RuntimeError):
 class PipelineStage:
     """One stage of a pipeline: ``module`` on this rank, stage ``stage`` of ``stages``
     (default: this rank of all ranks). Neighbours are the ranks ``ranks[stage ± 1]``
-    (default: consecutive ranks)."""
+    (default: consecutive ranks). Where it differs from PyTorch's pipelining: a stage's
+    output is one tensor (not a tuple or dict), of the same dtype and per-sample shape
+    for every micro-batch, and a stage after the first must use its input (refused with
+    the stage and micro-batch named, not sent)."""
 
     def __init__(self, module: torch.nn.Module, stage: int | None = None,
                  stages: int | None = None, ranks: list[int] | None = None):  # fmt: skip
@@ -161,7 +164,8 @@ class PipelineStage:
         except BaseException:
             run.abandon()
             raise
-        return StepResult(self.stage, run.loss, [str(a) for a in run.plan], run.peak, run.sizes)
+        loss = None if run.loss is None else float(run.loss)  # the one read of the device
+        return StepResult(self.stage, loss, [str(a) for a in run.plan], run.peak, run.sizes)
 
 
 class _Run:
@@ -323,16 +327,27 @@ class _Run:
         if st.last:
             target = self.targets[k]
             loss = self.loss_fn(out, target) * (self.sizes[k] / self.batch)
-            self.loss += loss.item()
+            # summed on the device, read once at the end: a .item() per micro-batch would
+            # make the host wait for the GPU each time (no kernel queued ahead: no overlap)
+            self.loss = self.loss + loss.detach()
             self.stash[k] = (x, loss)
         else:
+            if not isinstance(out, torch.Tensor):
+                raise PipelineError(
+                    f"stage {st.stage}: its module returned a {type(out).__name__} on "
+                    f"micro-batch {k}; the kit's pipeline sends one tensor from stage to stage "
+                    "(PyTorch's pipelining also takes tuples): return one tensor, e.g. "
+                    "torch.cat of the parts, and split it in the next stage"
+                )
             if k == 0:
                 self._send_header(out)
-                self.act_shape = tuple(out.shape[1:])
-            elif tuple(out.shape[1:]) != self.act_shape:
+                self.act_shape, self.out_dtype = tuple(out.shape[1:]), out.dtype
+            elif tuple(out.shape[1:]) != self.act_shape or out.dtype != self.out_dtype:
                 raise PipelineError(
-                    f"stage {st.stage}: micro-batch {k}'s output has shape {list(out.shape)}, "
-                    f"but micro-batch 0's per-sample shape was {list(self.act_shape)}"
+                    f"stage {st.stage}: micro-batch {k}'s output is {list(out.shape)} "
+                    f"{out.dtype}, but micro-batch 0's was {list(self.act_shape)} per sample, "
+                    f"{self.out_dtype}: the next stage's receive buffers are made from "
+                    "micro-batch 0's"
                 )
             self.stash[k] = (x, out)
         self._span(f"F{k}", start)
@@ -359,6 +374,12 @@ class _Run:
             y.backward(grad)
         self._span(f"B{k}", start)
         if not st.first:
+            if x.grad is None:
+                raise PipelineError(
+                    f"stage {st.stage}: micro-batch {k}'s input got no gradient: its module's "
+                    f"output does not depend on the activation stage {st.stage - 1} sent, so "
+                    "nothing reaches the stages before it. Use the input."
+                )
             self._send(x.grad, self.prev, f"grad {k}")
 
     # ------------------------------------------------------------ end

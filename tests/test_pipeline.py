@@ -122,6 +122,83 @@ def test_a_stage_boundary_of_the_wrong_shape_names_the_stage_and_the_shapes():
     assert "the activation stage 0 sent" in text
 
 
+class _Pair(torch.nn.Module):
+    def forward(self, x):
+        return x * 2, x + 1
+
+
+class _DoubleAfterTheFirst(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.calls = torch.nn.Linear(6, 6), 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.lin(x)
+        return out if self.calls == 1 else out.double()
+
+
+class _IgnoresItsInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.lin(torch.ones_like(x))
+
+
+def _stage_pair(first, second):
+    s = ok.rank()
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    piece = first() if s == 0 else second()
+    PipelineStage(piece).step(x if s == 0 else None, y if s == 1 else None,
+                              torch.nn.functional.mse_loss, micro_batches=2)  # fmt: skip
+
+
+def _last():
+    return torch.nn.Linear(6, 3)
+
+
+@pytest.mark.parametrize("first, second, words", [
+    (_Pair, _last, "stage 0: its module returned a tuple on micro-batch 0"),
+    (_DoubleAfterTheFirst, _last, "micro-batch 1's output is [2, 6] torch.float64"),
+    (lambda: torch.nn.Linear(6, 6), _IgnoresItsInput, "stage 1: micro-batch 0's input got no"),
+])  # fmt: skip
+def test_what_a_stage_cannot_send_is_named_not_crashed_on(first, second, words):
+    """Issue 22, item 9: a tuple output, a dtype that changes after micro-batch 0 and a
+    stage that ignores its input crashed deep in the transfers (or sent garbage)."""
+    with pytest.raises(PipelineError) as info:
+        ok.launch(_stage_pair, first, second, world_size=2, timeout=60)
+    assert words in str(info.value), str(info.value)
+
+
+def _items_read_on_the_last_stage():
+    s = ok.rank()
+    piece = _model()[CUTS[2][s] : CUTS[2][s + 1]]
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    reads, item = [], torch.Tensor.item
+
+    def counted(t):
+        reads.append(1)
+        return item(t)
+
+    torch.Tensor.item = counted
+    try:
+        stage = PipelineStage(piece)
+        result = stage.step(x if s == 0 else None, y if s == 1 else None,
+                            torch.nn.functional.mse_loss, micro_batches=4)  # fmt: skip
+    finally:
+        torch.Tensor.item = item
+    return len(reads), result.loss
+
+
+def test_the_last_stage_reads_its_loss_from_the_device_once_per_step():
+    """Issue 22, item 9: loss.item() per micro-batch made the host wait for a GPU at each."""
+    (_, _), (reads, loss) = ok.launch(_items_read_on_the_last_stage, world_size=2, timeout=60)
+    assert isinstance(loss, float)
+    assert reads <= 1, reads
+
+
 def _timeline_step():
     s = ok.rank()
     tl = ok.Timeline()
