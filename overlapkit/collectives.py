@@ -172,10 +172,11 @@ class Handle(handles.Tracked):
     ``is_completed()`` polls. On CUDA, ``wait()`` makes the caller's current
     stream wait for the operation, as NCCL's ``Work.wait()`` does."""
 
-    def __init__(self, future: concurrent.futures.Future, what: str, guard=None):
+    def __init__(self, future: concurrent.futures.Future, what: str, guard=None, device=None):
         super().__init__(what)
         self._future = future
         self._guard = guard  # an inflight.Guard over the tensors the op reads and writes
+        self._device = device if device is not None and device.type == "cuda" else None
 
     def _wait(self, timeout_at: float | None) -> None:
         remaining = None if timeout_at is None else max(0.0, timeout_at - time.perf_counter())
@@ -208,8 +209,14 @@ class Handle(handles.Tracked):
         """A ``torch.futures.Future`` completed (on the communication worker) when the
         operation ends, as ``torch.distributed``'s ``Work.get_future()``: what a DDP
         comm hook returns, and how a timeline learns the true end of an op. Waiting on
-        it counts as waiting on the handle."""
-        future: torch.futures.Future = torch.futures.Future()
+        it counts as waiting on the handle. On CUDA it is a CUDA-aware future, as NCCL's:
+        completed on a stream that waited for the op's end event, so that its callbacks
+        (``then()``, DDP's copy back into ``.grad``) run after the GPU work of the op, not
+        only after the host saw it end."""
+        cuda = self._device
+        future = (
+            torch.futures.Future(devices=[cuda]) if cuda is not None else torch.futures.Future()
+        )
 
         def settle(done: concurrent.futures.Future) -> None:
             self._mark_waited()  # whoever holds the torch future waits through it
@@ -221,6 +228,11 @@ class Handle(handles.Tracked):
                     exc = race
             if exc is not None:
                 future.set_exception(exc)
+            elif cuda is not None and done.result()[1] is not None:
+                stream = torch.cuda.current_stream(cuda)  # this thread's, on the op's device
+                stream.wait_event(done.result()[1])
+                with torch.cuda.device(cuda):
+                    future.set_result(None)  # records its event on that stream, after the op
             else:
                 future.set_result(None)
 
@@ -275,7 +287,7 @@ class _Executor:
                 return result[0]
             future: concurrent.futures.Future = concurrent.futures.Future()
             future.set_result(result)
-            return Handle(future, what)
+            return Handle(future, what, device=device)
         with self._cond:
             ticket = self._issued
             self._issued += 1
@@ -298,7 +310,7 @@ class _Executor:
         future = concurrent.futures.Future()
         self._ensure_worker()
         self._queue.put((ticket, fn, call, device, ready, future, _profile_to_carry()))
-        return Handle(future, what, guard)
+        return Handle(future, what, guard, device)
 
     def _execute(self, fn, call, device, ready):
         """Run ``fn`` as the op of ``call``: (result, CUDA event marking its end on the comm

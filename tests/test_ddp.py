@@ -312,6 +312,36 @@ def test_torch_ddp_with_the_kit_comm_hook_averages_like_bucketed_ddp():
     assert ok.launch(_torch_ddp_with_kit_hook, world_size=2, link=ok.Link(20, 5), timeout=60)
 
 
+def _torch_ddp_with_kit_hook_on_a_gpu():
+    device = torch.device("cuda", ok.rank() % torch.cuda.device_count())
+    ours, theirs = _mlp().to(device), _mlp().to(device)
+    ddp = torch.nn.parallel.DistributedDataParallel(theirs, bucket_cap_mb=0.0002)
+    ddp.register_comm_hook(None, ok.ddp_comm_hook())
+    kit = ok.BucketedDDP(ours, bucket_mb=0.0002, all_reduce="ring")
+    gen = torch.Generator().manual_seed(ok.rank())
+    worst = 0.0
+    for _ in range(3):
+        x, y = torch.randn(64, 8, generator=gen), torch.randn(64, 8, generator=gen)
+        x, y = x.to(device), y.to(device)
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        torch.nn.functional.mse_loss(kit(x), y).backward()
+        kit.finish_gradient_synchronization()
+        for p, q in zip(ours.parameters(), theirs.parameters(), strict=True):
+            worst = max(worst, (p.grad - q.grad).abs().max().item())
+            p.grad = q.grad = None
+    return worst
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_kit_comm_hooks_future_orders_the_reducers_copy_after_the_op():
+    """Issue 22, item 6: the hook's future was a CPU future, so its then() and the
+    reducer's copy back could run before the ring's last GPU work ended."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    assert all(d < 1e-5 for d in ok.launch(_torch_ddp_with_kit_hook_on_a_gpu, world_size=2,
+                                           timeout=120))  # fmt: skip
+
+
 # --------------------------------------------------------------------------- bad input
 
 
