@@ -16,8 +16,10 @@ to schedule that AllReduce, from slowest to fastest::
                                                   ^^ the last bucket  only the tail is exposed
                                                      cannot hide
 
-Gradients become ready in *reverse* parameter order (backward runs from the
-loss towards the input), so buckets are filled in that order. A parameter's
+Gradients become ready in about *reverse* parameter order (backward runs from the
+loss towards the input), so buckets are filled in that order at first; after the first
+step, in the order the gradients did arrive on rank 0 (as PyTorch's reducer rebuilds its
+buckets), which differs where a layer is used before one registered ahead of it. A parameter's
 ``post_accumulate_grad`` hook fires once its gradient is complete for this
 backward; the wrapper launches a bucket the moment all its gradients are in —
 and only after every earlier bucket was launched, so that every rank issues
@@ -140,6 +142,7 @@ class _DataParallel(torch.nn.Module):
         self._reduce, self._comm_group, self._averages = _resolve_all_reduce(all_reduce, group)
         self._check_same_model()
         self._broadcast_from_rank0()
+        self._bucket_mb, self._rebuilt = bucket_mb, False
         self.buckets = self._make_buckets(bucket_mb)
         self._bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
         self._flats: list[torch.Tensor | None] = [None] * len(self.buckets)
@@ -209,6 +212,7 @@ class _DataParallel(torch.nn.Module):
         self._state = state
         self._pending = [len(idx) for idx in self.buckets]
         self._got: set[int] = set()
+        self._arrived: list[int] = []  # this step's gradients, in the order they came
         self._unused_here: list = []  # (parameter, its reduced gradient) without .grad here
         self._next = 0
         self._inflight: list = []
@@ -266,6 +270,7 @@ class _DataParallel(torch.nn.Module):
                 "accumulate gradients inside no_sync()"
             )
         self._got.add(i)
+        self._arrived.append(i)
         self._pending[self._bucket_of[i]] -= 1
         if self.overlap:
             self._launch_ready()
@@ -342,9 +347,33 @@ class _DataParallel(torch.nn.Module):
             for b, flat, handle in self._inflight:
                 self._finish(b, flat, handle)
         self._settle_unused()
+        if not self._rebuilt:
+            self._rebuild_buckets()
         if self.timeline is not None and self._backward_start is not None:
             self.timeline.add("backward", self._backward_start, backward_end, "compute")
         self._reset("synced")
+
+    def _rebuild_buckets(self) -> None:
+        """Once, after the first synchronised step, as PyTorch's reducer does: the buckets
+        follow the order the gradients arrived in on rank 0 (of the group), no longer the
+        reverse registration order, so that a bucket whose gradients come early is not
+        held up behind one whose gradients come late (a layer registered after another
+        but used before it). Every rank takes rank 0's order: the order can differ from
+        rank to rank (a branch some ranks take), and the buckets must not."""
+        self._rebuilt = True
+        came = list(dict.fromkeys(self._arrived))
+        order = [came + [i for i in range(len(self._order)) if i not in set(came)]]
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast_object_list(order, src=src, group=self._comm_group)
+        new = order[0]
+        if new == list(range(len(self._order))):
+            return
+        self._order = [self._order[i] for i in new]
+        self._names = [self._names[i] for i in new]
+        self._index = {id(p): i for i, p in enumerate(self._order)}
+        self.buckets = self._make_buckets(self._bucket_mb)
+        self._bucket_of = {i: b for b, idx in enumerate(self.buckets) for i in idx}
+        self._flats = [None] * len(self.buckets)  # .grad views of the old ones are copied
 
     def _settle_unused(self) -> None:
         """A parameter without a gradient here gets the reduced one if any rank used it

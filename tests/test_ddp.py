@@ -290,6 +290,48 @@ def test_a_parameter_used_with_zero_gradient_on_one_rank_has_a_gradient_on_every
     assert torch.equal(gate0, gate1), (gate0, gate1)
 
 
+class UsedOutOfOrder(torch.nn.Module):
+    """Registered a, c, b, extra; used a, b, c, extra (extra on rank 0 only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.c, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.extra = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+        return h + self.extra(h) if ok.rank() == 0 else h
+
+
+def _buckets_before_and_after_a_step():
+    torch.manual_seed(0)
+    model = UsedOutOfOrder()
+    wrapper = ok.OverlapDDP(model)
+    layers = lambda: [
+        name.split(".")[0] for row in wrapper.bucket_table() for name in row["params"]
+    ]  # noqa: E731
+    before = layers()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(ok.rank())
+    for _ in range(3):
+        wrapper(torch.randn(2, 4, generator=gen)).sum().backward()
+        wrapper.finish_gradient_synchronization()
+        opt.step()
+        opt.zero_grad()
+    return before, layers(), [p.detach().clone() for p in model.parameters()]
+
+
+def test_buckets_follow_the_order_gradients_arrived_in_after_the_first_step():
+    """Issue 22, item 5: reverse registration order forever held c's AllReduce behind b's,
+    whose gradients come later; PyTorch's reducer rebuilds its buckets from the arrival
+    order after the first iteration (rank 0's, so that every rank issues the same)."""
+    (before, after0, weights0), (_, after1, weights1) = ok.launch(
+        _buckets_before_and_after_a_step, world_size=2, timeout=60)  # fmt: skip
+    assert before == ["extra"] * 2 + ["b"] * 2 + ["c"] * 2 + ["a"] * 2
+    assert after0 == after1 == ["extra"] * 2 + ["c"] * 2 + ["b"] * 2 + ["a"] * 2, (after0, after1)
+    assert all(torch.equal(p, q) for p, q in zip(weights0, weights1, strict=True))
+
+
 def _torch_ddp_with_kit_hook():
     me = ok.rank()
     ours, theirs = _mlp(), _mlp()
