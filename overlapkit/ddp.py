@@ -25,10 +25,11 @@ backward; the wrapper launches a bucket the moment all its gradients are in —
 and only after every earlier bucket was launched, so that every rank issues
 the same AllReduces in the same order (matching is by issue order, as in NCCL).
 
-Contract (shared with PyTorch's ``DistributedDataParallel``): rank 0's parameters and
-buffers are broadcast at construction, and its buffers again before each training forward
-outside ``no_sync()`` (``broadcast_buffers=False`` keeps each rank's own, as in PyTorch;
-the broadcast is the built-in one, outside an emulated link); ``.module`` is the wrapped
+Contract (shared with PyTorch's ``DistributedDataParallel``, side by side with it in
+``tests/test_parity.py``): rank 0's parameters and buffers are broadcast at construction,
+and its buffers again before each forward that follows a training forward outside
+``no_sync()``, as PyTorch's DDP decides it (``broadcast_buffers=False`` keeps each rank's
+own; the broadcast is the built-in one, outside an emulated link); ``.module`` is the wrapped
 model; ``parameters()`` are the model's; gradients are **averaged**; frozen parameters
 are left alone; a tied parameter is reduced once; a parameter that got no gradient on a
 rank this step contributes zeros there (as ``find_unused_parameters``), and keeps
@@ -152,6 +153,7 @@ class _DataParallel(torch.nn.Module):
             previous()._detach()  # the newest wrapper of a module owns its gradients
         object.__setattr__(module, "_overlapkit_ddp", weakref.ref(self))
         self._no_sync = 0
+        self._sync_buffers_next = True
         self._reset("idle")
 
     # ------------------------------------------------------------ construction
@@ -229,11 +231,13 @@ class _DataParallel(torch.nn.Module):
                 )
             if self._state != "backward":
                 self._state = "forward"
-        if self.broadcast_buffers and torch.is_grad_enabled() and not self._no_sync:
+        if self.broadcast_buffers and self._sync_buffers_next:
             # as PyTorch's DDP (broadcast_buffers=True): rank 0's buffers (BatchNorm's
-            # running statistics) before each training forward, so the replicas agree
+            # running statistics) before a forward that follows a synchronised training
+            # forward (the first one too), so that the replicas agree
             if next(self.module.buffers(), None) is not None:
                 self._broadcast_from_rank0(buffers_only=True)
+        self._sync_buffers_next = torch.is_grad_enabled() and not self._no_sync
         start = time.perf_counter()
         out = self.module(*args, **kwargs)
         if self.timeline is not None:
