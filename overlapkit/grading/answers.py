@@ -275,7 +275,8 @@ def _shapes(codes: dict) -> list:
     found = []
     for code, label in codes.items():
         if code.co_filename.startswith(_KIT) and len(_tokens(code)) >= COPY_MIN_TOKENS:
-            found.append((_tokens(code), _tokens_of[id(code)][2], label))
+            found.append((_tokens(code), _tokens_of[id(code)][2], frozenset(code.co_names),
+                          label))  # fmt: skip
     return found
 
 
@@ -285,9 +286,16 @@ def _copy_of(code: types.CodeType, shapes: list) -> str | None:
     # (an instruction takes two bytes or more: too short a function is let go before dis)
     if not shapes or len(code.co_code) < 2 * COPIED * COPY_MIN_TOKENS:
         return None
+    # the global and attribute names it uses, at no cost: a copy keeps most of the answer's
+    # (a lenient half, for renamed imports); torch's own functions, started by the hundred
+    # under a watch, share few, and are let go before the costly disassembly
+    names = set(code.co_names)
+    near = [s for s in shapes if len(names & s[2]) >= 0.5 * len(s[2])]
+    if not near:
+        return None
     mine = _tokens(code)
     counts = _tokens_of[id(code)][2]
-    for theirs, their_counts, label in shapes:
+    for theirs, their_counts, _, label in near:
         if len(mine) < COPIED * len(theirs):
             continue
         # the instructions both have, whatever the order: an upper bound, and cheap
