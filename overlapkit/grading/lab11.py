@@ -463,10 +463,14 @@ _METADATA = {"__get__", "__len__", "size", "dim", "numel", "stride", "data_ptr",
 
 
 def _moe_tokens(seed: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A rank's tokens and the expert each goes to, from the seed drawn for it."""
+    """A rank's tokens and the expert each goes to, from the seed drawn for it. Rank 0
+    sends the last expert nothing, whatever the seed: counts made without
+    ``minlength=world`` then come out one short there, every time (with random routing
+    alone, a fresh-clone run once gave every expert a token and passed that mistake)."""
     gen = torch.Generator().manual_seed(seed)
     n = TOKENS + rank  # ranks hold different token counts
-    return torch.randn(n, D, generator=gen), torch.randint(0, world, (n,), generator=gen)
+    experts = world - 1 if rank == 0 and world > 1 else world
+    return torch.randn(n, D, generator=gen), torch.randint(0, experts, (n,), generator=gen)
 
 
 def _moe_expert(seed: int) -> torch.nn.Linear:
