@@ -128,6 +128,8 @@ class _DataParallel(torch.nn.Module):
         self.group = group
         self.broadcast_buffers = broadcast_buffers
         self.world = dist.get_world_size(group)
+        # the global rank of the group's rank 0: whose weights, buffers and bucket order count
+        self._rank0 = 0 if group is None else dist.get_global_rank(group, 0)
         # parameters() yields a tied parameter once: it is reduced once
         self._params = [p for p in module.parameters() if p.requires_grad]
         if not self._params:
@@ -191,14 +193,13 @@ class _DataParallel(torch.nn.Module):
     def _broadcast_from_rank0(self, buffers_only: bool = False) -> None:
         """Rank 0's (of the group) parameters and buffers, or buffers alone, on every rank:
         one broadcast per dtype and device (BatchNorm alone has three buffers a layer)."""
-        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         tensors = [*([] if buffers_only else self.module.parameters()), *self.module.buffers()]
         kinds: dict = {}
         for t in tensors:
             kinds.setdefault((t.dtype, t.device), []).append(t)
         for same in kinds.values():
             flat = torch.cat([t.detach().reshape(-1) for t in same])
-            dist.broadcast(flat, src=src, group=self._comm_group)
+            dist.broadcast(flat, src=self._rank0, group=self._comm_group)
             offset = 0
             for t in same:
                 t.data.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -367,8 +368,7 @@ class _DataParallel(torch.nn.Module):
         self._rebuilt = True
         came = list(dict.fromkeys(self._arrived))
         order = [came + [i for i in range(len(self._order)) if i not in set(came)]]
-        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
-        dist.broadcast_object_list(order, src=src, group=self._comm_group)
+        dist.broadcast_object_list(order, src=self._rank0, group=self._comm_group)
         new = order[0]
         if new == list(range(len(self._order))):
             return
