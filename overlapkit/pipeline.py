@@ -125,7 +125,10 @@ class PipelineStage:
     (default: consecutive ranks). Where it differs from PyTorch's pipelining: a stage's
     output is one tensor (not a tuple or dict), of the same dtype and per-sample shape
     for every micro-batch, and a stage after the first must use its input (refused with
-    the stage and micro-batch named, not sent)."""
+    the stage and micro-batch named, not sent). And a batch that does not divide evenly
+    is split into micro-batches one sample apart, each loss weighted by its share, where
+    torch's schedules take equal micro-batches only (tests/test_parity.py compares the two
+    on equal ones)."""
 
     def __init__(self, module: torch.nn.Module, stage: int | None = None,
                  stages: int | None = None, ranks: list[int] | None = None):  # fmt: skip
