@@ -5,7 +5,7 @@ kit's pipeline beside ``torch.distributed.pipelining``.
 Each rank builds the same model twice, wraps one copy in a kit wrapper and the other in
 torch's DDP (gloo; ``find_unused_parameters=True``, buffers broadcast), and trains both on
 the same data for 10 steps: tied weights, BatchNorm buffers, a frozen layer, a branch
-some ranks skip (unused parameters), a non-contiguous parameter, a dict output, weight
+some ranks skip (unused parameters), a non-contiguous parameter, dict and tuple outputs, weight
 decay with momentum, and gradient accumulation under ``no_sync()`` every third step. The
 parameters and buffers must agree with torch's on every rank.
 """
@@ -37,6 +37,7 @@ class Contract(torch.nn.Module):
         # a non-contiguous parameter: its gradient keeps its strides
         self.side = torch.nn.Parameter(torch.randn(3, 8).t())
         self.use_branch = True
+        self.as_dict = True  # a dict output, or a tuple of the same two tensors
         # a bfloat16 layer among float32 ones: buckets hold one dtype each, as torch's do
         self.low = torch.nn.Linear(8, 8).to(torch.bfloat16) if bf16 else None
 
@@ -49,11 +50,12 @@ class Contract(torch.nn.Module):
             h = h + self.low(h.to(torch.bfloat16)).float()
         # the embedding's weight used again, transposed: one parameter in two places
         out = torch.nn.functional.linear(h, self.embed.weight.t())
-        return {"out": out, "aux": h @ self.side}
+        return {"out": out, "aux": h @ self.side} if self.as_dict else (out, h @ self.side)
 
 
 def _loss(output, y):
-    return torch.nn.functional.mse_loss(output["out"], y) + 0.1 * output["aux"].pow(2).mean()
+    out, aux = (output["out"], output["aux"]) if isinstance(output, dict) else output
+    return torch.nn.functional.mse_loss(out, y) + 0.1 * aux.pow(2).mean()
 
 
 def _train(wrapper, model, world_rank, members):
@@ -65,6 +67,7 @@ def _train(wrapper, model, world_rank, members):
         batches = [(torch.randn(5, 6, generator=gen), torch.randn(5, 6, generator=gen))
                    for _ in range(2 if step % 3 == 0 else 1)]  # fmt: skip
         model.use_branch = (members.index(world_rank) + step) % 2 == 1
+        model.as_dict = step % 2 == 0
         if len(batches) == 2:
             with wrapper.no_sync():
                 _loss(wrapper(batches[0][0]), batches[0][1]).backward()
