@@ -7,6 +7,7 @@ from . import (
     builtin,
     costmodel,
     diagrams,
+    fsdp,
     grading,
     moe,
     p2p,
@@ -33,6 +34,7 @@ from .ddp import (
     measure_host_cost,
     profile_backward,
 )
+from .fsdp import FullyShardedDP
 from .inflight import RaceError, debug_races
 from .launcher import (
     LaunchError,
@@ -50,6 +52,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ShardedOptimizer",
+    "FullyShardedDP",
+    "fsdp",
     "NaiveDDP",
     "OverlapDDP",
     "BucketedDDP",

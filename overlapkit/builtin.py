@@ -30,10 +30,13 @@ class _Averaged:
 
     def __init__(self, work, tensor, world):
         self.work, self.tensor, self.world = work, tensor, world
+        self._divided = False
 
     def wait(self):
         self.work.wait()
-        self.tensor /= self.world
+        if not self._divided:  # a second wait() must not divide again
+            self._divided = True
+            self.tensor /= self.world
         return True
 
     def is_completed(self) -> bool:

@@ -88,19 +88,23 @@ def _resolve_all_reduce(all_reduce, group):
     )
 
 
-_own: list = []  # [(the default group it was made in, the kit's own group of all ranks)]
+_own: list = []  # [the default group they were made in, the kit's own groups of all ranks...]
 
 
-def _own_group():
-    """One process group of every rank for the wrappers' built-in AllReduces, made once per
-    default group (a new group per wrapper piled up connections in a bucket-size sweep).
-    Every rank makes it at its first wrapper, so at the same point of the program: a new
-    group is a collective call of every rank. A subgroup is never made here: ranks outside
-    it would have to join the call, which a wrapper built on {0, 2} alone cannot ask of 1 and 3."""
+def _own_group(which: int = 0):
+    """Process groups of every rank for the wrappers' built-in collectives, made once per
+    default group (a new group per wrapper piled up connections in a bucket-size sweep);
+    ``which`` picks one of several (FSDP gathers on one and reduces on another, so the two
+    never queue behind each other). Every rank makes them at its first wrapper, so at the
+    same point of the program: a new group is a collective call of every rank. A subgroup
+    is never made here: ranks outside it would have to join the call, which a wrapper built
+    on {0, 2} alone cannot ask of 1 and 3."""
     world = dist.distributed_c10d._get_default_group()
-    if not _own or _own[0][0] is not world:
-        _own[:] = [(world, dist.new_group())]
-    return _own[0][1]
+    if not _own or _own[0] is not world:
+        _own[:] = [world]
+    while len(_own) <= which + 1:
+        _own.append(dist.new_group())
+    return _own[which + 1]
 
 
 # --------------------------------------------------------------------------- the wrappers
