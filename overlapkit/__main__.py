@@ -103,6 +103,24 @@ def main(argv: list[str] | None = None) -> int:
     bp.add_argument("--reps", type=int, default=5)
     bp.add_argument("--warmup", type=int, default=1)
     bp.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
+    bf = which.add_parser(
+        "fsdp", help="fully sharded: no/implicit/explicit prefetch vs DDP and fully_shard"
+    )
+    bf.add_argument("--units", type=int, default=4, help="Linear+Tanh blocks, one unit each")
+    bf.add_argument("--width", type=int, default=1024)
+    bf.add_argument("--batch", type=int, default=256, help="per rank")
+    bf.add_argument("--world-size", type=int, default=2)
+    bf.add_argument(
+        "--link",
+        default=None,
+        help="LATENCY_US,BANDWIDTH_GBPS (default: sized so a unit's AllGather ≈ its forward)",
+    )
+    bf.add_argument(
+        "--gather-share", type=float, default=1.0, help="a unit's AllGather ÷ its forward"
+    )
+    bf.add_argument("--reps", type=int, default=5)
+    bf.add_argument("--warmup", type=int, default=2)
+    bf.add_argument("--no-torch", action="store_true", help="skip torch's fully_shard")
     bt = which.add_parser(
         "tp", help="decomposed AllGather-matmul and matmul-ReduceScatter vs serial, vs the model"
     )
@@ -127,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--transfer-share", type=float, default=1.0)
         p.add_argument("--reps", type=int, default=5)
         p.add_argument("--warmup", type=int, default=1)
-    for p in (bl, bc, bd, bp, bt, bm):
+    for p in (bl, bc, bd, bp, bf, bt, bm):
         p.add_argument("--csv", help="also write the rows to this CSV file")
         p.add_argument("--json", help="also write the rows to this JSON file")
 
@@ -228,6 +246,13 @@ def _run(args) -> int:
             csv_path=args.csv,
             json_path=args.json,
         )
+    elif args.bench == "fsdp":
+        from .bench.fsdp import run
+
+        run(units=args.units, width=args.width, batch=args.batch, world=args.world_size,
+            link=_parse_link(args.link), gather_share=args.gather_share, reps=args.reps,
+            warmup=args.warmup, torch_compare=not args.no_torch, csv_path=args.csv,
+            json_path=args.json)  # fmt: skip
     elif args.bench == "tp":
         from .bench.tp import run
 

@@ -193,6 +193,27 @@ def test_bench_pipeline_reports_bubble_hidden_share_and_predictions(tmp_path):
     assert "torch.distributed.pipelining" in out
 
 
+def test_bench_fsdp_compares_prefetch_modes_with_ddp_the_model_and_fully_shard(tmp_path):
+    out_json = tmp_path / "fsdp.json"
+    out = run("-m", "overlapkit", "bench", "fsdp", "--units", "3", "--width", "64", "--batch",
+              "8", "--reps", "1", "--warmup", "1", "--json", str(out_json))  # fmt: skip
+    data = json.loads(out_json.read_text())
+    rows = {r["config"]: r for r in data["rows"]}
+    assert list(rows) == ["fsdp none", "fsdp implicit", "fsdp explicit", "ddp"]
+    # without prefetch a unit computes only after its AllGather is over (but for the
+    # moment between the wait's return and the communication thread's end mark)
+    assert rows["fsdp none"]["x_none"] == 1 and rows["fsdp none"]["fwd_hidden"] < 0.1
+    whole = rows["ddp"]["params_mib"]
+    unit = (64 * 64 + 64) * 4 / 2**20
+    assert whole == pytest.approx(3 * unit)
+    for name in ("fsdp none", "fsdp explicit"):  # the shards and at most two whole units
+        assert rows[name]["params_mib"] <= whole / 2 + 2 * unit + 1e-9
+        assert rows[name]["step_ms"] > 0 and rows[name]["predicted_ms"] > 0
+    assert "one unit's AllGather" in out and "explicit prefetch: step" in out
+    assert "beside torch's fully_shard" in out or "fully_shard: not compared here" in out
+    assert data["meta"]["units"] == 3
+
+
 def test_bench_tp_sweeps_chunks_of_both_decomposed_matmuls_against_serial(tmp_path):
     out_json = tmp_path / "tp.json"
     out = run("-m", "overlapkit", "bench", "tp", "--rows", "8", "--width", "32", "--chunks",

@@ -236,3 +236,36 @@ def test_moe_best_chunks_trades_hidden_transfer_against_latency():
     fast, _ = cm.moe_best_chunks(1e-3, 10e-3, 2e6, 2, alpha=1e-5, beta=5e-9)
     slow, steps = cm.moe_best_chunks(1e-3, 10e-3, 2e6, 2, alpha=3e-3, beta=5e-9)
     assert fast > slow >= 1 and steps[slow] == min(steps.values())
+
+
+def _fsdp(prefetch, **kw):
+    # four units: forward 10 ms, backward 20 ms, 4 MB each; 2 ranks on a link where one
+    # unit's AllGather takes 8.1 ms (100 µs + 2 MB at 0.25 GB/s)
+    units = [(0.010, 0.020, 4e6)] * 4
+    return cm.fsdp_step(units, 2, 100e-6, 1 / 0.25e9, prefetch, **kw)
+
+
+def test_fsdp_step_without_prefetch_waits_for_every_forward_all_gather():
+    plain = _fsdp("none")
+    assert plain["forward_wait"] == pytest.approx(4 * 8.1e-3)
+    assert _fsdp("implicit")["step"] == plain["step"]  # a CPU host does not run ahead
+
+
+def test_fsdp_step_with_explicit_prefetch_waits_only_for_the_first_unit():
+    plain, early = _fsdp("none"), _fsdp("explicit")
+    assert early["forward_wait"] == pytest.approx(8.1e-3)
+    assert early["step"] == pytest.approx(plain["step"] - 3 * 8.1e-3)
+    assert 0 < early["hidden_fraction"] <= 1 and early["exposed"] < plain["exposed"]
+
+
+def test_fsdp_step_on_a_free_link_is_the_compute_alone():
+    free = cm.fsdp_step([(0.01, 0.02, 4e6)] * 3, 4, 0.0, 0.0, "explicit")
+    assert free["step"] == pytest.approx(free["compute"]) and free["exposed"] == pytest.approx(0)
+
+
+@pytest.mark.parametrize("kw, units_whole", [
+    ({"prefetch_depth": 1}, 2), ({"prefetch_depth": 3}, 4),
+    ({"reshard_after_forward": False}, 4), ({"backward_prefetch": False}, 2),
+])  # fmt: skip
+def test_fsdp_step_holds_as_many_whole_units_as_prefetch_and_resharding_allow(kw, units_whole):
+    assert _fsdp("explicit", **kw)["peak_gathered"] == units_whole * 4e6

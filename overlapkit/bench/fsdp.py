@@ -1,0 +1,268 @@
+"""bench fsdp: fully sharded training without, with implicit and with explicit prefetch,
+against data parallelism, and PyTorch's ``fully_shard`` beside the kit's.
+
+One launch on ``world`` ranks. The model is ``units`` blocks of Linear(width, width) + Tanh,
+one FSDP unit each. First each rank times one block's forward and backward alone (the
+inputs of the prediction); unless ``--link`` names one, the emulated link is then sized so
+that one unit's AllGather takes ``--gather-share`` (default 1.0) of its forward: where
+prefetch matters most. Then every configuration runs, interleaved, ``reps`` rounds after
+``warmup``, all over the same link with the kit's ring:
+
+* ``fsdp none`` / ``implicit`` / ``explicit``: ``ok.FullyShardedDP`` with that prefetch
+  (backward prefetch on, reshard after forward);
+* ``ddp``: ``ok.BucketedDDP`` (25 MiB buckets) on the same model: every rank whole.
+
+Columns: step_ms (median of the slowest rank's step: forward, backward, the last
+ReduceScatter, SGD), x_none (÷ the step without prefetch), fwd_hidden (share of the
+forward's AllGather time during which a unit computed), exposed_ms (step − the compute
+the timeline saw), params_mib (per rank, the most parameter bytes held at once: the
+shards plus the whole units, as the wrapper counted them; for DDP the whole model),
+predicted_ms (``ok.costmodel.fsdp_step`` from the timed block and the link) and its error.
+
+Then, without a link (gloo's own AllGather and ReduceScatter on both sides): the kit's
+explicit prefetch against ``torch.distributed.fsdp.fully_shard`` on the same units (and
+``set_modules_to_forward_prefetch`` for its explicit prefetch), the step ratio and the
+largest parameter difference after the timed steps, where this PyTorch build runs it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import costmodel, p2p, runtime
+from ..ddp import BucketedDDP
+from ..fsdp import FullyShardedDP
+from ..timeline import COMPUTE, Timeline, intersect, length, union
+from .progress import launch_with_progress, slowest
+from .table import format_table, write
+
+CONFIGS = ("fsdp none", "fsdp implicit", "fsdp explicit", "ddp")
+ALPHA = 100e-6  # the link's latency when the bench sizes it
+
+
+def make_model(units: int, width: int) -> torch.nn.Module:
+    torch.manual_seed(0)  # every rank the same model
+    blocks = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+              for _ in range(units)]  # fmt: skip
+    return torch.nn.Sequential(*blocks)
+
+
+def _time_block(width: int, batch: int, reps: int = 9) -> tuple[float, float]:
+    """Median forward and backward seconds of one block, its input needing a gradient
+    (as every unit's but the first does)."""
+    block = make_model(1, width)[0]
+    x = torch.randn(batch, width, requires_grad=True)
+    fs, bs = [], []
+    for i in range(reps + 2):
+        t0 = time.perf_counter()
+        y = block(x)
+        t1 = time.perf_counter()
+        y.backward(torch.ones_like(y))
+        t2 = time.perf_counter()
+        if i >= 2:  # the first runs warm up
+            fs.append(t1 - t0)
+            bs.append(t2 - t1)
+    return statistics.median(fs), statistics.median(bs)
+
+
+def _size_link(forward: float, nbytes: int, world: int, share: float) -> p2p.Link:
+    """A link on which a ring AllGather of ``nbytes`` takes ``share`` × ``forward``:
+    (N−1)·(α + S/N·β) = share·forward."""
+    per_step = share * forward / (world - 1)
+    alpha = min(ALPHA, per_step / 4)
+    beta = (per_step - alpha) * world / nbytes
+    return p2p.Link(alpha * 1e6, 1 / beta / 1e9)
+
+
+def _forward_hidden(tl: Timeline) -> float:
+    """Share of the forward's AllGather time during which a unit computed."""
+    forwards = [s for s in tl.spans if s.name.startswith("F ")]
+    if not forwards:
+        return float("nan")
+    end = max(s.end for s in forwards)
+    gathers = union((s.start, s.end) for s in tl.spans if s.name.startswith("AG ") and
+                    s.start < end)  # fmt: skip
+    work = union((s.start, s.end) for s in forwards)
+    total = length(gathers)
+    return length(intersect(gathers, work)) / total if total else float("nan")
+
+
+def _build(config: str, units: int, width: int, timeline: Timeline):
+    model = make_model(units, width)
+    if config == "ddp":
+        wrapper = BucketedDDP(model, all_reduce="ring", bucket_mb=25, timeline=timeline)
+    else:
+        wrapper = FullyShardedDP(model, prefetch=config.split()[1], all_gather="ring",
+                                 reduce_scatter="ring", timeline=timeline)  # fmt: skip
+    return wrapper, torch.optim.SGD(wrapper.parameters(), lr=1e-4)
+
+
+def _step(wrapper, opt, x) -> None:
+    wrapper(x).square().mean().backward()
+    wrapper.finish_gradient_synchronization()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _rank_bench(units, width, batch, reps, warmup, share, compare, progress):
+    world = runtime.world_size()
+    block = _time_block(width, batch)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, block)
+    forward = max(f for f, _ in everyone)
+    backward = max(b for _, b in everyone)
+    unit_bytes = (width * width + width) * 4
+    link = p2p.current_link()
+    if link is None:
+        link = _size_link(forward, unit_bytes, world, share)
+        p2p.set_link(link)
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(runtime.rank()))
+    timelines = {c: Timeline() for c in CONFIGS}
+    built = {c: _build(c, units, width, timelines[c]) for c in CONFIGS}
+    times = {c: [] for c in CONFIGS}
+    extra: dict = {}
+    for i in range(warmup + reps):
+        for c in CONFIGS:
+            wrapper, opt = built[c]
+            tl = timelines[c]
+            tl.spans.clear()
+            if c != "ddp":
+                wrapper.reset_peak()
+            dist.barrier()
+            start = time.perf_counter()
+            _step(wrapper, opt, x)
+            end = time.perf_counter()
+            step = slowest(start, end)
+            if i >= warmup:
+                times[c].append(step)
+                held = (sum(p.numel() * p.element_size() for p in wrapper.parameters())
+                        if c == "ddp" else _fsdp_params(wrapper))  # fmt: skip
+                extra.setdefault(c, []).append((_forward_hidden(tl), tl.busy(COMPUTE), held))
+            progress.tick()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, extra)
+    p2p.set_link(None)
+    theirs = _beside_fully_shard(units, width, x, reps, warmup) if compare else {}
+    if runtime.rank() != 0:
+        return None
+    return {"times": times, "extra": gathered, "block": (forward, backward), "link": link,
+            "unit_bytes": unit_bytes, "torch": theirs}  # fmt: skip
+
+
+def _fsdp_params(wrapper: FullyShardedDP) -> int:
+    memory = wrapper.memory()
+    return memory["shards"] + memory["peak_gathered"]
+
+
+def _beside_fully_shard(units, width, x, reps, warmup) -> dict:
+    """The kit's explicit prefetch (built-in collectives) against ``fully_shard`` with its
+    explicit forward prefetch, no link; {"error": ...} where it does not run."""
+    try:
+        from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+        from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+    except ImportError as exc:
+        return {"error": f"fully_shard is not available: {exc}"}
+    try:
+        mesh = init_device_mesh("cpu", (runtime.world_size(),))
+        theirs = make_model(units, width)
+        for block in theirs:
+            fully_shard(block, mesh=mesh)
+        fully_shard(theirs, mesh=mesh)
+        for block, after in zip(theirs, list(theirs)[1:], strict=False):
+            block.set_modules_to_forward_prefetch([after])
+        ours = FullyShardedDP(make_model(units, width), prefetch="explicit")
+        optims = {"kit": torch.optim.SGD(ours.parameters(), lr=1e-4),
+                  "torch": torch.optim.SGD(theirs.parameters(), lr=1e-4)}  # fmt: skip
+        steps: dict = {"kit": [], "torch": []}
+        for i in range(warmup + reps):
+            for name, model in (("kit", ours), ("torch", theirs)):
+                dist.barrier()
+                start = time.perf_counter()
+                model(x).square().mean().backward()
+                if name == "kit":
+                    model.finish_gradient_synchronization()
+                optims[name].step()
+                optims[name].zero_grad(set_to_none=True)
+                step = slowest(start, time.perf_counter())
+                if i >= warmup:
+                    steps[name].append(step)
+        mine = ours.full_state_dict()
+        gap = max((mine[k] - v.full_tensor()).abs().max().item()
+                  for k, v in theirs.state_dict().items())  # fmt: skip
+        return {"kit": statistics.median(steps["kit"]),
+                "torch": statistics.median(steps["torch"]), "gap": gap}  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - reported under the table, not fatal
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def run(units: int = 4, width: int = 1024, batch: int = 256, world: int = 2, link=None,
+        gather_share: float = 1.0, reps: int = 5, warmup: int = 2, torch_compare: bool = True,
+        csv_path=None, json_path=None) -> list[dict]:  # fmt: skip
+    if world < 2:
+        raise ValueError(f"bench fsdp needs at least 2 ranks to shard over; got {world}")
+    result = launch_with_progress(
+        _rank_bench, units, width, batch, reps, warmup, gather_share, torch_compare,
+        total=len(CONFIGS) * (warmup + reps), desc="bench fsdp", world_size=world, link=link,
+        quiet=True, timeout=1800,
+    )[0]  # fmt: skip
+    link, (forward, backward) = result["link"], result["block"]
+    unit_bytes = result["unit_bytes"]
+    gather = costmodel.ring_all_gather(unit_bytes, world, link.alpha, link.beta)
+    print(
+        f"model: {units} units of Linear({width}, {width}) + Tanh ({unit_bytes / 2**20:.1f} MiB "
+        f"each), batch {batch} per rank, {world} ranks; {link}: one unit's AllGather "
+        f"{gather * 1e3:.1f} ms, its forward {forward * 1e3:.1f} ms, backward "
+        f"{backward * 1e3:.1f} ms"
+    )
+    rows = []
+    base = statistics.median(result["times"]["fsdp none"])
+    for c in CONFIGS:
+        step = statistics.median(result["times"][c])
+        per_rank = [e[c] for e in result["extra"]]
+        hidden = [statistics.median(h for h, _, _ in r) for r in per_rank]
+        busy = max(statistics.median(b for _, b, _ in r) for r in per_rank)
+        held = max(max(m for _, _, m in r) for r in per_rank)
+        if c == "ddp":
+            predicted = float("nan")
+        else:
+            model = costmodel.fsdp_step([(forward, backward, unit_bytes)] * units, world,
+                                        link.alpha, link.beta, c.split()[1])  # fmt: skip
+            predicted = model["step"]
+        rows.append({
+            "config": c,
+            "step_ms": step * 1e3,
+            "x_none": step / base,
+            "fwd_hidden": statistics.mean(hidden) if c != "ddp" else float("nan"),
+            "exposed_ms": (step - busy) * 1e3,
+            "params_mib": held / 2**20,
+            "predicted_ms": predicted * 1e3,
+            "pred_err": (predicted - step) / step,
+        })  # fmt: skip
+    print(format_table(rows))
+    ddp_mib = rows[-1]["params_mib"]
+    bound = ddp_mib / world + 2 * unit_bytes / 2**20
+    explicit = next(r for r in rows if r["config"] == "fsdp explicit")
+    print(
+        f"explicit prefetch: step {explicit['x_none']:.2f}× the step without, forward "
+        f"AllGathers {explicit['fwd_hidden']:.0%} hidden; parameters held "
+        f"{explicit['params_mib']:.1f} MiB per rank against DDP's {ddp_mib:.1f} MiB "
+        f"(1/N of DDP's + two units: {bound:.1f} MiB)"
+    )
+    theirs = result["torch"]
+    if theirs.get("error"):
+        print(f"fully_shard: not compared here ({theirs['error']})")
+    elif theirs:
+        print(
+            f"beside torch's fully_shard, no link, same units, explicit prefetch on both: kit "
+            f"{theirs['kit'] * 1e3:.1f} ms, torch {theirs['torch'] * 1e3:.1f} ms per step, "
+            f"ratio {theirs['kit'] / theirs['torch']:.2f}; parameters differ by at most "
+            f"{theirs['gap']:.1e} after {warmup + reps} steps"
+        )
+    meta = {"bench": "fsdp", "units": units, "width": width, "batch": batch, "world": world,
+            "link": str(link), "fully_shard": theirs}  # fmt: skip
+    write(rows, csv_path, json_path, meta=meta)
+    return rows
