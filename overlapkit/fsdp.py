@@ -165,6 +165,7 @@ class FullyShardedDP(torch.nn.Module):
         self._order = [u.index for u in self.units if u.module is not None]  # forward order
         self._state = "idle"
         self._in_forward = False
+        self._manual = False  # run_plan runs the step
         self._reducing: list = []
         self._held = {"gathered": 0, "gradients": 0}
         self._peak = {"gathered": 0, "gradients": 0, "together": 0}
@@ -328,6 +329,11 @@ class FullyShardedDP(torch.nn.Module):
                 "gathered and reduced once per step: make each use its own unit"
             )
         self._ran.append(u.index)
+        if self._manual:  # run_plan: the plan gathers; the unit must be whole by now
+            if not u.gathered or u.pending is not None:
+                raise PlanError(f"unit {u.index} is not whole ({_state(u)})")
+            u.forward_start = time.perf_counter()
+            return
         self._issue(u)
         if self.prefetch == "explicit":
             for nxt in self._ahead(self._order, u, self.prefetch_depth):
@@ -338,6 +344,8 @@ class FullyShardedDP(torch.nn.Module):
     def _post_forward(self, u: _Unit, module, args, output):
         if self.timeline is not None:
             self.timeline.add(f"F {u.name}", u.forward_start, time.perf_counter(), "compute")
+        if self._manual:
+            return
         if torch.is_grad_enabled() and _needs_grad(output):  # frozen units too: input grads
             for t in _tensors(output):
                 if t.requires_grad:
@@ -367,7 +375,8 @@ class FullyShardedDP(torch.nn.Module):
         u.ready += 1
         if u.ready == len(u.leaves):
             u.complete = True
-            self._launch_ready()
+            if not self._manual:
+                self._launch_ready()
 
     def _backward_begins(self) -> None:
         if self._state == "forward":
@@ -405,7 +414,8 @@ class FullyShardedDP(torch.nn.Module):
                 flat[o : o + n].copy_(leaf.grad.reshape(-1))
                 self._count("gradients", -leaf.grad.numel() * leaf.grad.element_size())
                 leaf.grad = None
-        self._free(u)  # its backward is over: the whole parameters go
+        if not self._manual:  # (a plan frees where it says)
+            self._free(u)  # its backward is over: the whole parameters go
         out = torch.empty(u.shard_numel, dtype=flat.dtype, device=flat.device)
         handle = self._reduce_scatter(out, flat) or handles.Done()
         if self.timeline is not None:
@@ -485,6 +495,80 @@ class FullyShardedDP(torch.nn.Module):
         self._reducing = []
         self._state = "idle"
 
+    # ------------------------------------------------------------ a step as a plan
+    def run_plan(self, plan, x, target, loss_fn) -> float:
+        """Run one training step as ``plan`` says, action by action (lab 12), for a model
+        whose units run one after another (``torch.nn.Sequential`` of the units)::
+
+            "gather K"   start unit K's AllGather       "wait K"    wait for it
+            "forward K"  unit K's forward (whole)       "backward K" its backward (whole)
+            "free K"     drop unit K's whole parameters "reduce K"  start its ReduceScatter
+            "finish"     wait for every ReduceScatter: each shard has its averaged gradient
+
+        Nothing is gathered, freed or reduced but where the plan says. A plan that uses a
+        unit that is not whole raises :class:`PlanError` naming the action. Returns the
+        loss of this rank's batch."""
+        n = len(self.units)
+        if any(u.module is None for u in self.units) or [u.module for u in self.units] != list(
+            self.module.children()
+        ):
+            raise ValueError(
+                "run_plan runs a model that is a Sequential of its units only (every "
+                "parameter in a unit, the units in order)"
+            )
+        self._ran, self._manual, self._in_forward = [], True, True
+        self._state = "plan"
+        for u in self.units:
+            u.ready, u.complete, u.launched, u.backward_started = 0, False, False, False
+        inputs, outputs, grads, loss = {}, {}, {}, None
+        try:
+            for i, action in enumerate(plan, start=1):
+                op, k = _parse_action(action, n, i)
+                u = self.units[k] if k is not None else None
+                try:
+                    if op == "gather":
+                        self._issue(u)
+                    elif op == "wait":
+                        self._wait(u)
+                    elif op == "free":
+                        self._free(u)
+                    elif op == "forward":
+                        if k > 0 and k - 1 not in outputs:
+                            raise PlanError(f"forward {k - 1} has not run: it makes the input")
+                        h = x if k == 0 else outputs[k - 1].detach().requires_grad_()
+                        inputs[k], outputs[k] = h, u.module(h)
+                    elif op == "backward":
+                        if not u.gathered or u.pending is not None:
+                            raise PlanError(f"unit {k} is not whole ({_state(u)})")
+                        if k not in outputs or (k < n - 1 and k + 1 not in grads):
+                            first = f"forward {k}" if k not in outputs else f"backward {k + 1}"
+                            raise PlanError(f"{first} has not run: backward {k} needs it")
+                        u.backward_start = time.perf_counter()
+                        if k == n - 1:
+                            loss = loss_fn(outputs[k], target)
+                            loss.backward()
+                        else:
+                            outputs[k].backward(grads[k + 1])
+                        if k > 0:
+                            grads[k] = inputs[k].grad
+                        grads.setdefault(k, None)
+                        u.complete = True
+                    elif op == "reduce":
+                        if not u.complete or u.launched:
+                            raise PlanError(
+                                "already reduced" if u.launched else "its backward has not run"
+                            )
+                        self._launch(u)
+                    else:
+                        self.finish_gradient_synchronization()
+                except PlanError as exc:
+                    raise PlanError(f"action {i} {action!r}: {exc}") from None
+        finally:
+            self._manual, self._in_forward = False, False
+            if self._state == "plan":
+                self._state = "idle"
+        return loss.item() if loss is not None else float("nan")
+
     # ------------------------------------------------------------ reading
     def memory(self, optimizer=None) -> dict:
         """Bytes per rank: the shards (parameters and their gradients, held all along), the
@@ -529,6 +613,32 @@ class FullyShardedDP(torch.nn.Module):
         return f"FullyShardedDP over {self.world} ranks, prefetch={self.prefetch}: " + "; ".join(
             rows
         )
+
+
+class PlanError(RuntimeError):
+    """A plan (:meth:`FullyShardedDP.run_plan`) used a unit that was not whole, or named
+    an action that does not exist."""
+
+
+_ACTIONS = ("gather", "wait", "forward", "backward", "free", "reduce")
+
+
+def _parse_action(action, n: int, i: int) -> tuple[str, int | None]:
+    words = action.split() if isinstance(action, str) else []
+    if words == ["finish"]:
+        return "finish", None
+    if len(words) == 2 and words[0] in _ACTIONS and words[1].isdigit() and int(words[1]) < n:
+        return words[0], int(words[1])
+    raise PlanError(
+        f"action {i} {action!r}: expected 'gather K', 'wait K', 'forward K', 'backward K', "
+        f"'free K', 'reduce K' or 'finish', with K a unit from 0 to {n - 1}"
+    )
+
+
+def _state(u) -> str:
+    if u.pending is not None:
+        return "its AllGather was not waited"
+    return "whole" if u.gathered else "sharded: gather and wait it first"
 
 
 def _needs_grad(out) -> bool:

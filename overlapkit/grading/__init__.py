@@ -14,6 +14,7 @@ from .lab05 import check_overlapped_step, check_timed_step
 from .lab09 import check_average_parameters
 from .lab10 import check_tuning
 from .lab11 import check_ag_matmul, check_chunked_moe
+from .lab12 import check_fsdp_plan
 from .pipeline import check_1f1b_schedule, check_gpipe_step
 from .report import Report
 
@@ -39,6 +40,7 @@ POINTS = {
     "check_tuning": 4,
     "check_ag_matmul": 4,
     "check_chunked_moe": 5,
+    "check_fsdp_plan": 5,
 }
 
 __all__ = [
@@ -63,4 +65,5 @@ __all__ = [
     "check_tuning",
     "check_ag_matmul",
     "check_chunked_moe",
+    "check_fsdp_plan",
 ]
