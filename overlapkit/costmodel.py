@@ -371,7 +371,8 @@ def fsdp_step(units, N: int, alpha: float, beta: float, prefetch: str = "none",
         backward  unit k (last first) waits for AG_k again (when resharded), computes
                   B_k, then issues RS_k
         explicit  AG_{k+1..k+depth} are issued when unit k starts, before F_k
-        backward_prefetch   AG of the next unit in backward order issued before B_k
+        backward_prefetch   AG of the next unit(s) in backward order issued before B_k
+                            (``prefetch_depth`` of them with explicit prefetch, else one)
 
     ``"implicit"`` is ``"none"`` here: on a CPU the host that would run ahead is busy
     computing. Returns step, compute, comm (all transfers), exposed (step − compute),
@@ -417,8 +418,10 @@ def fsdp_step(units, N: int, alpha: float, beta: float, prefetch: str = "none",
     last_rs = 0.0
     for k in reversed(range(n)):
         issue(k, clock, " (again)")
-        if backward_prefetch and k > 0 and reshard_after_forward:
-            issue(k - 1, clock, " (again)")
+        if backward_prefetch and reshard_after_forward:
+            depth = prefetch_depth if prefetch == "explicit" else 1
+            for j in range(k - 1, max(-1, k - 1 - depth), -1):
+                issue(j, clock, " (again)")
         clock = max(clock, gathered[k])
         spans.append(("compute", f"B {k}", clock, clock + units[k][1]))
         clock += units[k][1]

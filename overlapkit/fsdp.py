@@ -24,7 +24,8 @@ earlier. *Prefetch* starts it earlier::
 is issued by its own pre-forward hook. On a GPU that hides it anyway, because the host runs
 ahead of the kernels it queued; on a CPU the host *is* the compute, so implicit hides
 nothing (measure it: ``python -m overlapkit bench fsdp``). ``backward_prefetch`` issues the
-next unit's AllGather (in backward order) before this unit's backward computes.
+next unit's AllGather (in backward order; ``prefetch_depth`` of them with explicit
+prefetch) before this unit's backward computes.
 Each unit's gradient is reduce-scattered as soon as it is complete, on a group (and so a
 communication thread) of its own, so it overlaps the AllGathers and the rest of backward.
 
@@ -360,7 +361,8 @@ class FullyShardedDP(torch.nn.Module):
         self._backward_begins()
         self._issue(u)
         if self.backward_prefetch:
-            for nxt in self._ahead(self._backward_order(), u, 1):
+            depth = self.prefetch_depth if self.prefetch == "explicit" else 1
+            for nxt in self._ahead(self._backward_order(), u, depth):
                 self._issue(nxt)
         self._wait(u)
         u.backward_start = time.perf_counter()

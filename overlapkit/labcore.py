@@ -132,6 +132,13 @@ def _lab11(world):
     return None, None
 
 
+def _lab12(world):
+    from .bench.fsdp import run  # noqa: PLC0415
+
+    run(units=4, width=512, batch=256, world=max(world, 2), reps=3, warmup=1)
+    return None, None
+
+
 LABS = {
     "00": ("ping-pong and the α-β fit", _lab00),
     "01": ("the kit's collectives: time and busbw", _lab01_03),
@@ -145,6 +152,7 @@ LABS = {
     "09": ("synchronous, stale and local SGD", _lab09),
     "10": ("data-parallel steps to tune", _lab05_07),
     "11": ("decomposed tensor-parallel matmuls and the pipelined MoE", _lab11),
+    "12": ("fully sharded steps: no, implicit and explicit prefetch, against DDP", _lab12),
 }
 
 

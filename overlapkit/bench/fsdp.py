@@ -9,7 +9,7 @@ prefetch matters most. Then every configuration runs, interleaved, ``reps`` roun
 ``warmup``, all over the same link with the kit's ring:
 
 * ``fsdp none`` / ``implicit`` / ``explicit``: ``ok.FullyShardedDP`` with that prefetch
-  (backward prefetch on, reshard after forward);
+  (reshard after forward; backward prefetch on but for ``none``, which prefetches nothing);
 * ``ddp``: ``ok.BucketedDDP`` (25 MiB buckets) on the same model: every rank whole.
 
 Columns: step_ms (median of the slowest rank's step: forward, backward, the last
@@ -96,8 +96,10 @@ def _build(config: str, units: int, width: int, timeline: Timeline):
     if config == "ddp":
         wrapper = BucketedDDP(model, all_reduce="ring", bucket_mb=25, timeline=timeline)
     else:
-        wrapper = FullyShardedDP(model, prefetch=config.split()[1], all_gather="ring",
-                                 reduce_scatter="ring", timeline=timeline)  # fmt: skip
+        prefetch = config.split()[1]  # "none": no prefetch in backward either
+        wrapper = FullyShardedDP(model, prefetch=prefetch, all_gather="ring",
+                                 reduce_scatter="ring", timeline=timeline,
+                                 backward_prefetch=prefetch != "none")  # fmt: skip
     return wrapper, torch.optim.SGD(wrapper.parameters(), lr=1e-4)
 
 
@@ -229,8 +231,10 @@ def run(units: int = 4, width: int = 1024, batch: int = 256, world: int = 2, lin
         if c == "ddp":
             predicted = float("nan")
         else:
+            prefetch = c.split()[1]
             model = costmodel.fsdp_step([(forward, backward, unit_bytes)] * units, world,
-                                        link.alpha, link.beta, c.split()[1])  # fmt: skip
+                                        link.alpha, link.beta, prefetch,
+                                        backward_prefetch=prefetch != "none")  # fmt: skip
             predicted = model["step"]
         rows.append({
             "config": c,

@@ -67,8 +67,9 @@ def check_fsdp_plan(fsdp_plan) -> Report:
             report.fail(plan)
             continue
         problem = judge_plan(plan, n, p)
-        if problem is None:
-            report.ok(f"{what}: {len(plan)} actions, every rule kept")
+        if problem is None:  # the drawn case passes in the same words each time
+            said = f"{what}: {len(plan)} actions" if (n, p) in CASES else "a case drawn at random"
+            report.ok(f"{said}, every rule kept")
             if (n, p) == (4, 1):
                 runnable = plan
         else:
