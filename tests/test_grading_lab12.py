@@ -133,6 +133,15 @@ def asks_the_checks_own_judge(units, prefetch):
     return plan
 
 
+def logs_the_wrappers_own_step(units, prefetch):
+    """Would record which units ok.FullyShardedDP's hooks gather and free (it needs no
+    process group to be refused: its code starting is enough)."""
+    import torch  # noqa: PLC0415
+
+    ok.FullyShardedDP(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    return right(units, prefetch)
+
+
 FIXED = {case: right(*case) for case in lab12.CASES}
 
 
@@ -188,6 +197,7 @@ def test_each_typical_mistake_in_a_plan_is_named_in_every_case_it_breaks(fn, wor
     (returns_a_string, "return a list of actions"),
     (asks_the_cost_model, "your function"),
     (asks_the_checks_own_judge, "your function"),
+    (logs_the_wrappers_own_step, "your function"),
 ])  # fmt: skip
 def test_the_check_names_the_mistake_whatever_the_function_returns_or_calls(fn, words):
     report = _check(fn)
