@@ -575,7 +575,8 @@ class FullyShardedDP(torch.nn.Module):
     def memory(self, optimizer=None) -> dict:
         """Bytes per rank: the shards (parameters and their gradients, held all along), the
         most whole unit parameters and the most gradient buffers held at once (since
-        construction or :meth:`reset_peak`), and the optimizer's state when given."""
+        construction or :meth:`reset_peak`), and the optimizer's state when given; on a
+        GPU also the CUDA allocator's peak (``torch.cuda.max_memory_allocated``)."""
         shards = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
         out = {
             "shards": shards,
@@ -587,6 +588,8 @@ class FullyShardedDP(torch.nn.Module):
             "peak_transient": self._peak["together"],
             "largest_unit": max(u.bytes for u in self.units),
         }
+        if self.units[0].full.is_cuda:  # the allocator's own count beside the wrapper's
+            out["allocator_peak"] = torch.cuda.max_memory_allocated(self.units[0].full.device)
         if optimizer is not None:
             out["optimizer"] = sum(t.numel() * t.element_size() for s in optimizer.state.values()
                                    for t in s.values() if torch.is_tensor(t))  # fmt: skip

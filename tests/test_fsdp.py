@@ -202,3 +202,80 @@ def test_bad_input_is_refused_with_what_was_wrong(case, words):
     with pytest.raises((ValueError, RuntimeError)) as info:
         ok.launch(_refused, case, world_size=2, timeout=60)
     assert words in str(info.value)
+
+
+def _on_a_gpu(collective):
+    """The same model on the GPU (both ranks on one GPU share it over gloo; NCCL where
+    each has its own): parameters after 5 steps against one process on the CPU, and
+    the allocator's peak against the wrapper's own count."""
+    me, world = ok.rank(), ok.world_size()
+    device = ok.device() if ok.device().type == "cuda" else torch.device("cuda", 0)
+    model, alone = Net().to(device), Net()
+    fsdp = ok.FullyShardedDP(model, units=UNITS, prefetch="explicit", all_gather=collective,
+                             reduce_scatter=collective)  # fmt: skip
+    opt = torch.optim.SGD(fsdp.parameters(), lr=0.05)
+    ref = torch.optim.SGD([p for p in alone.parameters() if p.requires_grad], lr=0.05)
+    for step in range(5):
+        x, y = _batch(step, world)
+        mine = slice(4 * me, 4 * me + 4)
+        loss = torch.nn.functional.mse_loss(fsdp(x[mine].to(device)), y[mine].to(device))
+        loss.backward()
+        fsdp.finish_gradient_synchronization()
+        opt.step()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(alone(x), y).backward()
+        ref.step()
+        ref.zero_grad()
+    whole = fsdp.full_state_dict()
+    gap = max((whole[k].cpu() - v).abs().max().item() for k, v in alone.state_dict().items())
+    return gap, fsdp.memory()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("collective", [None, "ring"])
+def test_on_a_gpu_fully_sharded_training_equals_one_process(collective):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    for rank, (gap, memory) in enumerate(ok.launch(_on_a_gpu, collective, world_size=2,
+                                                   timeout=180)):  # fmt: skip
+        assert gap <= 1e-5, f"rank {rank}: differs by {gap:.3g}"
+        assert memory["allocator_peak"] >= memory["shards"]
+
+
+def _beside_fully_shard(steps=10):
+    """The kit and torch's fully_shard (one per block, then the root; explicit forward
+    prefetch on both) train the same blocks with AdamW: the largest parameter difference."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    def blocks():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(7, 7), torch.nn.Tanh())
+                                     for _ in range(3)])  # fmt: skip
+
+    theirs = blocks()
+    mesh = init_device_mesh("cpu", (ok.world_size(),))
+    for block in theirs:
+        fully_shard(block, mesh=mesh)
+    fully_shard(theirs, mesh=mesh)
+    for block, after in zip(theirs, list(theirs)[1:], strict=False):
+        block.set_modules_to_forward_prefetch([after])
+    ours = ok.FullyShardedDP(blocks(), prefetch="explicit")
+    optims = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (ours, theirs)]
+    for step in range(steps):
+        x = torch.randn(4, 7, generator=torch.Generator().manual_seed(10 * step + ok.rank()))
+        for model, opt in zip((ours, theirs), optims, strict=True):
+            model(x).square().mean().backward()
+            if model is ours:
+                ours.finish_gradient_synchronization()
+            opt.step()
+            opt.zero_grad()
+    mine = ours.full_state_dict()
+    return max((mine[k] - v.full_tensor()).abs().max().item()
+               for k, v in theirs.state_dict().items())  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_kit_trains_as_torch_fully_shard_does(world):
+    gaps = ok.launch(_beside_fully_shard, world_size=world, timeout=120)
+    assert max(gaps) <= 1e-6, gaps

@@ -7,7 +7,10 @@ torch's DDP (gloo; ``find_unused_parameters=True``, buffers broadcast), and trai
 the same data for 10 steps: tied weights, BatchNorm buffers, a frozen layer, a branch
 some ranks skip (unused parameters), a non-contiguous parameter, dict and tuple outputs, weight
 decay with momentum, and gradient accumulation under ``no_sync()`` every third step. The
-parameters and buffers must agree with torch's on every rank.
+parameters and buffers must agree with torch's on every rank. (Tensor and expert
+parallelism have no PyTorch twin to train beside: tests/test_tensor_parallel.py and
+tests/test_moe.py hold them to one device's outputs and gradients; the kit's fully sharded
+wrapper is beside ``fully_shard`` in tests/test_fsdp.py.)
 """
 
 from __future__ import annotations
