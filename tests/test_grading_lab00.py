@@ -100,7 +100,8 @@ def _timing(fn):
     return report.cases[-1]
 
 
-RUNS = soak_runs(8)
+RUNS = soak_runs(6)
+HONEST_RUNS = soak_runs(4)
 
 
 def test_the_round_trip_mistake_fails_the_timing_check_every_time_with_a_cpu_hog(cpu_hog):
@@ -116,8 +117,8 @@ def test_a_right_one_way_time_passes_the_timing_check_every_time_with_a_cpu_hog(
 
 @pytest.mark.parametrize("fn", [mean_one_way, whole_loop_timed_once, posted_then_waited])
 def test_other_honest_one_way_times_pass_the_timing_check(fn):
-    verdicts = [_timing(fn) for _ in range(5)]
-    assert [passed for passed, _ in verdicts] == [True] * 5, verdicts
+    verdicts = [_timing(fn) for _ in range(HONEST_RUNS)]
+    assert [passed for passed, _ in verdicts] == [True] * HONEST_RUNS, verdicts
 
 
 #: round trips where the first is 9× the rest (a loaded machine's first message): half of
@@ -278,6 +279,8 @@ def test_a_pair_returned_without_fitting_fails_every_run():
     def guessed(sizes, times):
         return 20e-6, 5e-10
 
-    for _ in range(20):
+    # the link is drawn never within 10% of any fixed pair: a guess fails by construction,
+    # and the repetitions guard that construction (make soak: 20)
+    for _ in range(soak_runs(3)):
         report = lab00.check_fit_alpha_beta(guessed)
         assert not report.all_passed, report.cases
