@@ -56,11 +56,16 @@ def _batch(step, world):
     return torch.randn(4 * world, 5, generator=gen), torch.randn(4 * world, 3, generator=gen)
 
 
-def _train(prefetch, collective, steps=10, skip_every=0, reshard=True):
-    """The wrapper beside one process that trains on the whole batch; the largest
-    difference of any parameter after ``steps`` AdamW steps, and the memory counts."""
+def _train(prefetch, collective, steps=10, skip_every=0, reshard=True, gpu=False):
+    """The wrapper beside one process (on the CPU) that trains on the whole batch; the
+    largest difference of any parameter after ``steps`` AdamW steps, and the memory counts.
+    ``gpu``: the wrapped model on the GPU (both ranks share one over gloo, or each its own
+    with NCCL)."""
     me, world = ok.rank(), ok.world_size()
-    model, alone = Net(), Net()
+    device = torch.device("cpu")
+    if gpu:
+        device = ok.device() if ok.device().type == "cuda" else torch.device("cuda", 0)
+    model, alone = Net().to(device), Net()
     fsdp = ok.FullyShardedDP(model, units=UNITS, prefetch=prefetch, all_gather=collective,
                              reduce_scatter=collective, reshard_after_forward=reshard)  # fmt: skip
     opt = torch.optim.AdamW(fsdp.parameters(), lr=0.01, weight_decay=0.1)
@@ -70,7 +75,8 @@ def _train(prefetch, collective, steps=10, skip_every=0, reshard=True):
         x, y = _batch(step, world)
         model.skip = alone.skip = bool(skip_every) and step % skip_every == 0
         mine = slice(4 * me, 4 * me + 4)
-        torch.nn.functional.mse_loss(fsdp(x[mine]), y[mine]).backward()
+        loss = torch.nn.functional.mse_loss(fsdp(x[mine].to(device)), y[mine].to(device))
+        loss.backward()
         fsdp.finish_gradient_synchronization()
         opt.step()
         opt.zero_grad()
@@ -78,7 +84,7 @@ def _train(prefetch, collective, steps=10, skip_every=0, reshard=True):
         ref.step()
         ref.zero_grad()
     whole = fsdp.full_state_dict()
-    gap = max((whole[k] - v).abs().max().item() for k, v in alone.state_dict().items())
+    gap = max((whole[k].cpu() - v).abs().max().item() for k, v in alone.state_dict().items())
     return gap, fsdp.memory(opt), [u.bytes for u in fsdp.units]
 
 
@@ -204,40 +210,14 @@ def test_bad_input_is_refused_with_what_was_wrong(case, words):
     assert words in str(info.value)
 
 
-def _on_a_gpu(collective):
-    """The same model on the GPU (both ranks on one GPU share it over gloo; NCCL where
-    each has its own): parameters after 5 steps against one process on the CPU, and
-    the allocator's peak against the wrapper's own count."""
-    me, world = ok.rank(), ok.world_size()
-    device = ok.device() if ok.device().type == "cuda" else torch.device("cuda", 0)
-    model, alone = Net().to(device), Net()
-    fsdp = ok.FullyShardedDP(model, units=UNITS, prefetch="explicit", all_gather=collective,
-                             reduce_scatter=collective)  # fmt: skip
-    opt = torch.optim.SGD(fsdp.parameters(), lr=0.05)
-    ref = torch.optim.SGD([p for p in alone.parameters() if p.requires_grad], lr=0.05)
-    for step in range(5):
-        x, y = _batch(step, world)
-        mine = slice(4 * me, 4 * me + 4)
-        loss = torch.nn.functional.mse_loss(fsdp(x[mine].to(device)), y[mine].to(device))
-        loss.backward()
-        fsdp.finish_gradient_synchronization()
-        opt.step()
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(alone(x), y).backward()
-        ref.step()
-        ref.zero_grad()
-    whole = fsdp.full_state_dict()
-    gap = max((whole[k].cpu() - v).abs().max().item() for k, v in alone.state_dict().items())
-    return gap, fsdp.memory()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("collective", [None, "ring"])
 def test_on_a_gpu_fully_sharded_training_equals_one_process(collective):
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    for rank, (gap, memory) in enumerate(ok.launch(_on_a_gpu, collective, world_size=2,
-                                                   timeout=180)):  # fmt: skip
+    results = ok.launch(_train, "explicit", collective, 5, 0, True, True, world_size=2,
+                        timeout=180)  # fmt: skip
+    for rank, (gap, memory, _) in enumerate(results):
         assert gap <= 1e-5, f"rank {rank}: differs by {gap:.3g}"
         assert memory["allocator_peak"] >= memory["shards"]
 
