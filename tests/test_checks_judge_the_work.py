@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import json
 import sys
 import types
@@ -599,7 +600,6 @@ def test_the_ring_check_reads_what_the_messages_carry():
 def _shadow(name):
     """The kit's module ``name`` compiled again from its source, under another module name
     and other line numbers (what a student who copies the module wholesale gets)."""
-    import inspect
     import sys
     import types
 
@@ -607,9 +607,21 @@ def _shadow(name):
     copy = types.ModuleType(name + "_copy")
     copy.__package__, copy.__file__ = original.__package__, original.__file__
     sys.modules[copy.__name__] = copy
-    source = "\n" * 7777 + inspect.getsource(original)
+    source = "\n" * 7777 + _source(name)
     exec(compile(source, original.__file__, "exec"), copy.__dict__)  # noqa: S102
     return copy
+
+
+def _source(name: str) -> str:
+    """A kit module's source, as a student would paste it in: read where this module is
+    imported (on a check's rank, before the learner's call), never during the call, where
+    opening the kit's files is refused (sealed._guard_the_call)."""
+    return _SOURCES[name]
+
+
+_SOURCES = {name: inspect.getsource(importlib.import_module(name)) for name in (
+    "overlapkit.collectives", "overlapkit.costmodel", "overlapkit.pipeline",
+    "overlapkit.sharded")}  # fmt: skip
 
 
 def naive_from_a_recompiled_copy(tensor):
@@ -846,7 +858,9 @@ def test_the_kits_answer_refuses_to_run_where_the_watch_does_not_reach(fn):
             report = ok.grading.check_assign_buckets(fn)
         finally:
             _POOL.clear()
-    _failed_with(report, "ok.costmodel.ddp_buckets")
+    # refused by its code refusing to run, or (the partial) by the profiler's switch refused
+    partial = fn is buckets_with_the_watch_off_through_a_partial
+    _failed_with(report, "called sys.setprofile" if partial else "ok.costmodel.ddp_buckets")
     # and the kit's function works again once the check is over
     assert ok.costmodel.ddp_buckets([4, 4], 8 / 2**20) == [[0, 1]]
 
@@ -1285,12 +1299,11 @@ def test_a_single_process_exercise_cannot_ask_another_process_for_its_answer():
 def _recompiled_on_a_raw_thread(module, name, *args):
     """The kit's module recompiled from its source (new code objects, another file name)
     and its function run on a thread of _thread's, which threading.setprofile misses."""
-    import inspect
     import types
 
     copy = types.ModuleType(f"copy_of_{module.__name__.rsplit('.', 1)[-1]}")
     sys.modules[copy.__name__] = copy  # its dataclasses look themselves up there
-    exec(compile("\n" * 3 + inspect.getsource(module), "elsewhere.py", "exec"), copy.__dict__)
+    exec(compile("\n" * 3 + _source(module.__name__), "elsewhere.py", "exec"), copy.__dict__)
     return _on_a_raw_thread(getattr(copy, name), *args)
 
 
@@ -1345,14 +1358,13 @@ def _laundered(modname: str):
     """Red team round 5: one of the kit's modules, an unused local put first in every
     function, compiled anew: same behaviour, code objects no exact key matches."""
     import ast
-    import inspect
     import types
 
     key = "_copy_of_" + modname.replace(".", "_")
     if key in sys.modules:
         return sys.modules[key]
     module = importlib.import_module(modname)
-    tree = ast.parse(inspect.getsource(module))
+    tree = ast.parse(_source(modname))
 
     class Launder(ast.NodeTransformer):
         def visit_FunctionDef(self, node):

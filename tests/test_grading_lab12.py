@@ -58,6 +58,17 @@ def reduces_after_freeing_later(units, prefetch):
     return out
 
 
+def hands_the_work_to_a_thread(units, prefetch):
+    """Honest, if odd: the plan made in a thread of its own."""
+    import threading  # noqa: PLC0415
+
+    out = []
+    worker = threading.Thread(target=lambda: out.append(right(units, prefetch)))
+    worker.start()
+    worker.join()
+    return out[0]
+
+
 def no_wait(units, prefetch):
     return [a for a in right(units, prefetch) if not a.startswith("wait")]
 
@@ -118,6 +129,34 @@ def backward_in_forward_order(units, prefetch):
     return fwd + [a for five in back for a in five] + ["finish"]
 
 
+def waits_right_after_each_gather(units, prefetch):
+    """The habit the learner review found passing: a wait at once after each gather, so
+    a prefetched AllGather is waited for before the unit ahead of it computes."""
+    plan = []
+    for a in right(units, prefetch):
+        if a.startswith("wait"):
+            continue
+        plan.append(a)
+        if a.startswith("gather"):
+            plan.append("wait" + a[len("gather") :])
+    return plan
+
+
+def reduces_all_at_the_end(units, prefetch):
+    plan = [a for a in right(units, prefetch) if not a.startswith("reduce")][:-1]
+    return plan + [f"reduce {k}" for k in reversed(range(units))] + ["finish"]
+
+
+def gathers_unit_minus_one(units, prefetch):
+    """A backward prefetch of k − 1 without a bound: 'gather -1'."""
+    return [a.replace("gather 0", "gather -1") if i > len(right(units, prefetch)) - 4 else a
+            for i, a in enumerate(right(units, prefetch))] + ["gather -1"]  # fmt: skip
+
+
+def yields_the_actions(units, prefetch):
+    yield from right(units, prefetch)
+
+
 def returns_a_string(units, prefetch):
     return ", ".join(right(units, prefetch))
 
@@ -154,7 +193,10 @@ def _check(fn) -> Report:
         return ok.grading.check_fsdp_plan(fn)
 
 
-@pytest.mark.parametrize("fn", [right, keeps_the_last_unit_whole, reduces_after_freeing_later])
+@pytest.mark.parametrize(
+    "fn",
+    [right, keeps_the_last_unit_whole, reduces_after_freeing_later, hands_the_work_to_a_thread],
+)
 def test_right_plans_in_any_valid_order_pass_every_case_and_run_on_two_ranks(fn):
     report = _check(fn)
     assert report.all_passed, report.cases
@@ -162,7 +204,7 @@ def test_right_plans_in_any_valid_order_pass_every_case_and_run_on_two_ranks(fn)
 
 
 #: every case the check can give: its fixed ones and each it may draw
-ALL_CASES = [*lab12.CASES, *((n, p) for n in range(3, 9) for p in (1, 2, 3))]
+ALL_CASES = [*lab12.CASES, *lab12.DRAWN]
 
 
 @pytest.mark.parametrize("fn, words", [
@@ -176,6 +218,9 @@ ALL_CASES = [*lab12.CASES, *((n, p) for n in range(3, 9) for p in (1, 2, 3))]
     (prefetches_too_far, "allows"),
     (gathers_past_the_end, "0 to"),
     (backward_in_forward_order, "backward runs from the last unit to the first"),
+    (waits_right_after_each_gather, "Wait for a unit right before it computes"),
+    (reduces_all_at_the_end, "reduce each unit right after its backward"),
+    (gathers_unit_minus_one, "0 to"),
 ])  # fmt: skip
 def test_each_typical_mistake_in_a_plan_is_named_in_every_case_it_breaks(fn, words):
     """The check's verdict on its fixed cases (run every time: the mistake fails every
@@ -195,6 +240,7 @@ def test_each_typical_mistake_in_a_plan_is_named_in_every_case_it_breaks(fn, wor
 @pytest.mark.parametrize("fn, words", [
     (no_wait, "before its AllGather (action 1) was waited"),
     (returns_a_string, "return a list of actions"),
+    (yields_the_actions, "not a generator"),
     (asks_the_cost_model, "your function"),
     (asks_the_checks_own_judge, "your function"),
     (logs_the_wrappers_own_step, "your function"),
@@ -206,12 +252,90 @@ def test_the_check_names_the_mistake_whatever_the_function_returns_or_calls(fn, 
     assert any(words in m for m in failed), failed
 
 
+def test_a_plan_that_breaks_a_rule_is_not_run_and_the_report_says_so():
+    report = _check(no_finish)
+    assert report.cases[-1] == (False, "4 units, prefetch 1, run on 2 ranks: not run, the plan "
+                                       "for that case broke a rule (above)")  # fmt: skip
+
+
 def test_a_table_of_the_fixed_cases_fails_the_case_drawn_at_random():
     report = _check(table_of_the_fixed_cases)
     failed = [m for passed, m in report.cases if not passed]
-    assert len(failed) == 1 and "prefetch" in failed[0], report.cases
+    assert len(failed) == 2 and all("prefetch" in m for m in failed), report.cases
 
 
 def test_the_run_on_ranks_names_a_plan_that_uses_a_unit_not_whole():
     plan = no_wait(4, 1)
     assert "not waited" in ok.launch(lab12._train_by_plan, plan, world_size=2)[0]
+
+
+def starts_a_fresh_interpreter_for_the_kits_answer(units, prefetch):
+    """Red team, lab 12 (F3): a new interpreter is neither watched nor disarmed."""
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    code = f"import overlapkit as ok; print(ok.costmodel.fsdp_step([(1, 2, 4)] * {units}, 2, 0, 1))"
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    return right(units, prefetch)
+
+
+def switches_the_watch_off_through_a_partial(units, prefetch):
+    """Red team, lab 12 (F4): the profiler off without a call event, a fresh copy of a kit
+    module loaded from its file (not disarmed), the watch back on."""
+    import functools  # noqa: PLC0415
+    import importlib.util  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    watch = sys.getprofile()
+    functools.partial(sys.setprofile, None)()
+    try:
+        path = ok.costmodel.__file__
+        spec = importlib.util.spec_from_file_location("fresh_costmodel", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        functools.partial(sys.setprofile, watch)()
+    return right(units, prefetch)
+
+
+def loads_a_fresh_copy_of_the_kit_with_the_watch_on(units, prefetch):
+    import importlib.util  # noqa: PLC0415
+
+    spec = importlib.util.spec_from_file_location("fresh_costmodel", ok.costmodel.__file__)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    return right(units, prefetch)
+
+
+def switches_the_watch_off_in_a_thread(units, prefetch):
+    """The profiler off in a thread of its own (every thread starts under the watch)."""
+    import functools  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    errors = []
+
+    def work():
+        try:
+            functools.partial(sys.setprofile, None)()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    if errors:
+        raise errors[0]
+    return right(units, prefetch)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (starts_a_fresh_interpreter_for_the_kits_answer, "starts no program"),
+    (switches_the_watch_off_through_a_partial, "called sys.setprofile"),
+    (loads_a_fresh_copy_of_the_kit_with_the_watch_on, "opened the kit's own file"),
+    (switches_the_watch_off_in_a_thread, "called sys.setprofile"),
+])  # fmt: skip
+def test_the_work_done_outside_the_watch_is_refused_every_case(fn, words):
+    report = _check(fn)
+    failed = [m for passed, m in report.cases if not passed]
+    assert len(failed) == len(report.cases) - 1 or len(failed) == len(report.cases), report.cases
+    assert all(words in m for m in failed[:-1]), failed

@@ -59,6 +59,9 @@ def no_sockets_hint(text: str) -> str:
     """For an error a refused socket caused (``grading.nosockets``): why, and what to use."""
     if "Operation not permitted" not in text:
         return ""
+    if "Operation not permitted: '" in text:  # a path: a program that was to start
+        return (" — a check's process starts no program (a fresh interpreter would run "
+                "outside the check): write the exercise in the function itself")  # fmt: skip
     return (" — a check's ranks open no new connections: a process group of your own (or "
             "any socket between ranks) is refused. Move the data with ok.p2p and the kit's "
             "collectives")  # fmt: skip

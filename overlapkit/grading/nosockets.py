@@ -29,33 +29,38 @@ _ARCHES = {
     "x86_64": (0xC000003E, 41, 53, 317),
     "aarch64": (0xC00000B7, 198, 199, 277),
 }
+#: (execve, execveat) per machine: a single-process exercise starts no program
+_EXEC = {"x86_64": (59, 322), "aarch64": (221, 281)}
 _EPERM = 1
 _X32 = 0x40000000  # x86-64's x32 numbers: the same calls by another number
 
 
-def _program(arch: int, socket: int, socketpair: int) -> bytes:
-    """The BPF filter: on this architecture, socket(), socketpair() and every x32 call
-    fail with EPERM, everything else is allowed; a foreign architecture's call (i386's
-    int 0x80) ends the process. Jump offsets count from the next instruction."""
+def _program(arch: int, *refused: int) -> bytes:
+    """The BPF filter: on this architecture, the ``refused`` calls (socket(), socketpair(),
+    …) and every x32 call fail with EPERM, everything else is allowed; a foreign
+    architecture's call (i386's int 0x80) ends the process. Jump offsets count from the
+    next instruction."""
     ld_w_abs, jeq_k, jge_k, ret_k = 0x20, 0x15, 0x35, 0x06
     allow, refuse, kill = 0x7FFF0000, 0x00050000 | _EPERM, 0x80000000
+    n = len(refused)
     ops = [
-        (ld_w_abs, 0, 0, 4),  # 0: the architecture
-        (jeq_k, 1, 0, arch),  # 1: ours: on to 3
-        (ret_k, 0, 0, kill),  # 2: another
-        (ld_w_abs, 0, 0, 0),  # 3: the syscall's number
-        (jge_k, 3, 0, _X32),  # 4: an x32 call: to 8
-        (jeq_k, 2, 0, socket),  # 5: socket(): to 8
-        (jeq_k, 1, 0, socketpair),  # 6: socketpair(): to 8
-        (ret_k, 0, 0, allow),  # 7
-        (ret_k, 0, 0, refuse),  # 8
+        (ld_w_abs, 0, 0, 4),  # the architecture
+        (jeq_k, 1, 0, arch),  # ours: on past the next
+        (ret_k, 0, 0, kill),  # another
+        (ld_w_abs, 0, 0, 0),  # the syscall's number
+        (jge_k, n + 1, 0, _X32),  # an x32 call: to "refuse"
     ]
+    for i, number in enumerate(refused):  # each: to "refuse", n − i instructions on
+        ops.append((jeq_k, n - i, 0, number))
+    ops += [(ret_k, 0, 0, allow), (ret_k, 0, 0, refuse)]
     return b"".join(struct.pack("HBBI", *op) for op in ops)
 
 
-def forbid_new_sockets() -> bool:
+def forbid_new_sockets(no_exec: bool = False) -> bool:
     """Make the kit's own group of the default group, then forbid new sockets in this
-    process, every thread of it (irrevocably). True when the filter is in place."""
+    process, every thread of it (irrevocably); with ``no_exec`` starting a program too
+    (execve: a fresh interpreter is neither watched nor disarmed; red team, lab 12). True
+    when the filter is in place."""
     import torch.distributed as dist  # noqa: PLC0415
 
     from .. import _rank  # noqa: PLC0415
@@ -73,7 +78,8 @@ def forbid_new_sockets() -> bool:
 
     p2p._kit_group(None, torch.device("cpu"))  # the kit's collectives' own: made now
     arch, socket, socketpair, seccomp = numbers
-    code = _program(arch, socket, socketpair)
+    extra = _EXEC[platform.machine()] if no_exec else ()
+    code = _program(arch, socket, socketpair, *extra)
     filters = ctypes.create_string_buffer(code, len(code))
 
     class _Prog(ctypes.Structure):

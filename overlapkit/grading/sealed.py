@@ -157,7 +157,9 @@ def _call_on_rank(fn_bytes: bytes, args_bytes: bytes, watch: list):
     from . import answers, nosockets  # noqa: PLC0415
     from .common import recorded_calls  # noqa: PLC0415
 
-    nosockets.forbid_new_sockets()  # nothing to ask another process for the answer
+    # nothing to ask another process for the answer, no program to start (a fresh
+    # interpreter is neither watched nor disarmed)
+    nosockets.forbid_new_sockets(no_exec=True)
     with contextlib.ExitStack() as stack:
         seen = []
         for what in watch:
@@ -169,7 +171,95 @@ def _call_on_rank(fn_bytes: bytes, args_bytes: bytes, watch: list):
                 seen.append(stack.enter_context(answers.running(what[1])))
         fn = cloudpickle.loads(fn_bytes)
         args, kwargs = cloudpickle.loads(args_bytes)
-        value = fn(*args, **kwargs)
+        _guard_the_call()
+        try:
+            value = _the_call(fn, args, kwargs)
+        except Exception as exc:
+            if _REFUSED:  # what the guard refused says more than what it became
+                raise PermissionError(_REFUSED[0]) from exc
+            raise
+        if _REFUSED:  # refused, and the refusal swallowed: the work was not done here
+            raise PermissionError(_REFUSED[0])
     # read once every watch has closed (and added what it saw at its end: a list emptied
     # by the learner's function is noted then), not inside the block
     return value, [list(s) for s in seen]
+
+
+def _the_call(fn, args, kwargs):
+    """The learner's call: while this frame is on the stack, :func:`_guard_the_call`'s hook
+    refuses what an exercise never needs (its frame cannot be taken off the stack)."""
+    return fn(*args, **kwargs)
+
+
+_GUARDED = ("sys.setprofile", "sys.settrace", "open")
+#: what the guard refused during the call, in words (a caught refusal still counts)
+_REFUSED: list[str] = []
+
+
+def _guard_the_call() -> None:
+    """An audit hook (PEP 578: it cannot be removed, and fires however a call is reached,
+    ``functools.partial(sys.setprofile, None)`` too) that refuses, while the learner's
+    call runs (in any thread): switching the watch (the profiler) off or another on, but
+    where a new thread takes the watch on (``answers`` starts every thread under it), and
+    opening the kit's own files (a fresh copy of one of its modules is not disarmed). Red
+    team, lab 12: the profiler switched off through a partial, then ``costmodel`` loaded
+    afresh from its file, passed the check."""
+    import os  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    import overlapkit  # noqa: PLC0415
+
+    kit = os.path.dirname(os.path.abspath(overlapkit.__file__)) + os.sep
+    marker = _the_call.__code__
+    main = threading.get_ident()  # the call runs in this thread
+    from . import answers  # noqa: PLC0415
+
+    # the code that puts a new thread under the watch: threading's start, and answers'
+    raw = answers._raw_threads_watched.__wrapped__.__code__
+    takes_the_watch_on = {threading.Thread._bootstrap_inner.__code__, *_nested_code(raw, "run")}
+
+    def inside() -> bool:
+        """Is the learner's call running (seen from the thread that runs it)?"""
+        if threading.get_ident() == main:
+            frame = sys._getframe(2)
+        else:
+            frame = sys._current_frames().get(main)
+        while frame is not None:
+            if frame.f_code is marker:
+                return True
+            frame = frame.f_back
+        return False
+
+    def hook(event, args):
+        if event not in _GUARDED or not inside():
+            return
+        elsewhere = threading.get_ident() != main
+        if event == "open":
+            path = args[0]
+            if isinstance(path, int):
+                return
+            try:
+                path = os.path.abspath(os.fsdecode(path))
+            except (TypeError, ValueError):
+                return
+            if path.startswith(kit):
+                _REFUSED.append(f"your function opened the kit's own file {path[len(kit) :]}: "
+                                "an exercise is written, not loaded from the kit")  # fmt: skip
+                raise PermissionError(_REFUSED[-1])
+        elif not (elsewhere and sys._getframe(1).f_code in takes_the_watch_on):
+            _REFUSED.append(f"your function called {event}: while it runs, the check's watch "
+                            "is the profiler")  # fmt: skip
+            raise RuntimeError(_REFUSED[-1])
+
+    sys.addaudithook(hook)
+
+
+def _nested_code(code, name: str) -> list:
+    """The code objects called ``name`` defined (at any depth) inside ``code``."""
+    found = []
+    for const in code.co_consts:
+        if hasattr(const, "co_consts"):
+            found += [const] if const.co_name == name else []
+            found += _nested_code(const, name)
+    return found
