@@ -98,6 +98,19 @@ def reduces_before_backward(units, prefetch):
     return plan
 
 
+def prefetches_in_reverse_order(units, prefetch):
+    """The second learner review: each batch of gathers issued last-needed first, so the
+    unit needed next queues behind the others on the link."""
+    plan, batch = [], []
+    for a in right(units, prefetch):
+        if a.startswith("gather"):
+            batch.append(a)
+            continue
+        plan += batch[::-1] + [a]
+        batch = []
+    return plan
+
+
 def no_finish(units, prefetch):
     return right(units, prefetch)[:-1]
 
@@ -221,6 +234,7 @@ ALL_CASES = [*lab12.CASES, *lab12.DRAWN]
     (waits_right_after_each_gather, "Wait for a unit right before it computes"),
     (reduces_all_at_the_end, "reduce each unit right after its backward"),
     (gathers_unit_minus_one, "0 to"),
+    (prefetches_in_reverse_order, "Gather in the order the units compute"),
 ])  # fmt: skip
 def test_each_typical_mistake_in_a_plan_is_named_in_every_case_it_breaks(fn, words):
     """The check's verdict on its fixed cases (run every time: the mistake fails every

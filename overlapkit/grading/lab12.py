@@ -17,7 +17,8 @@ unit may be freed before or after the next gather is issued). The rules:
   computes (nothing whole at the end);
 * with ``prefetch = p ≥ 1``, unit k's AllGather is issued before the compute p units
   earlier starts (forward k−p, or in backward, backward k+p), so it travels meanwhile;
-* nothing is gathered that is not then used.
+* nothing is gathered that is not then used, and units are gathered in the order they
+  compute (one link carries the AllGathers in the order issued).
 
 Then the plan for 4 units and prefetch 1 runs on 2 ranks (``FullyShardedDP.run_plan``): the
 parameters after two SGD steps must equal one process's. Two more cases are drawn at
@@ -105,6 +106,7 @@ def judge_plan(plan, n: int, p: int) -> str | None:
     gathers: dict[tuple[str, int], int] = {}  # (forward|backward phase, unit) -> position
     finished = None
     waited: dict[int, int] = {}  # unit -> position of its wait, until it computes
+    last_gather: dict[str, int] = {}  # phase -> the unit gathered last
     unreduced = None  # (unit, position of its backward) not yet reduced
     for i, action in enumerate(plan, start=1):
         where = f"action {i} {action!r}"
@@ -119,6 +121,15 @@ def judge_plan(plan, n: int, p: int) -> str | None:
             if state[k] != "sharded":
                 return (f"{where}: unit {k} is already {state[k]} (gathered at action "
                         f"{gathered_at[k]}): a second AllGather moves its bytes twice")  # fmt: skip
+            previous = last_gather.get(phase)
+            later = previous is not None and (k < previous if phase == "forward" else k > previous)
+            if later:  # the link carries AllGathers in the order they were issued
+                need = "forward runs 0 up" if phase == "forward" else "backward runs down"
+                return (f"{where} comes after 'gather {previous}', but unit {k} is needed "
+                        f"first ({need}): one link carries the AllGathers in the order they "
+                        f"were issued, so unit {k}'s would wait behind unit {previous}'s. "
+                        "Gather in the order the units compute")  # fmt: skip
+            last_gather[phase] = k
             state[k], gathered_at[k], used[k] = "arriving", i, False
             gathers.setdefault((phase, k), i)
         elif op == "wait":
@@ -257,7 +268,8 @@ def _at_the_end(n, p, state, gathered_at, forwards, backwards, finished, started
                         f"{before} starts (action {started[('forward', before)]}), so that it "
                         f"travels while unit {before} computes; yours is action "
                         f"{gathers[('forward', k)]}")  # fmt: skip
-        for k in range(n):  # backward: re-gathered before backward k+p starts
+        for k in reversed(range(n)):  # backward (the first offence first): re-gathered
+            # before backward k+p starts
             before = min(n - 1, k + p)
             spot = gathers.get(("backward", k))
             if spot is not None and spot > started[("backward", before)]:
