@@ -170,7 +170,6 @@ class FullyShardedDP(torch.nn.Module):
         self._reducing: list = []
         self._held = {"gathered": 0, "gradients": 0}
         self._peak = {"gathered": 0, "gradients": 0, "together": 0}
-        self.last_step: dict = {}
 
     # ------------------------------------------------------------ construction
     def _resolve_units(self, units) -> list:
@@ -448,7 +447,6 @@ class FullyShardedDP(torch.nn.Module):
             self._wait(u)
         self._state = "forward" if torch.is_grad_enabled() else "idle"
         self._in_forward = True
-        start = time.perf_counter()
         try:
             out = self.module(*args, **kwargs)
         except RuntimeError as exc:
@@ -478,7 +476,6 @@ class FullyShardedDP(torch.nn.Module):
             for u in self.units:
                 self._free(u)
             self._state = "idle"
-        self.last_step = {"forward_s": time.perf_counter() - start}
         return out
 
     def finish_gradient_synchronization(self) -> None:

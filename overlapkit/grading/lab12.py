@@ -171,9 +171,7 @@ def judge_plan(plan, n: int, p: int) -> str | None:
             if not used[k]:
                 return (f"{where}: unit {k} was gathered (action {gathered_at[k]}) and freed "
                         "without computing: was that the unit you meant to gather?")  # fmt: skip
-            state[k], freed_at[k] = "sharded", i
-            if k in backwards and k in forwards and k not in reduced:
-                pass  # reduce may come before or after the free
+            state[k], freed_at[k] = "sharded", i  # before or after its reduce: both right
         elif op == "reduce":
             if k not in backwards:
                 return (f"{where} before backward {k}: unit {k}'s gradient is not complete yet; "
