@@ -55,7 +55,12 @@ def test_one_broken_exercise_gives_partial_marks_with_its_reason(tmp_path, labs)
 
 
 def test_a_hanging_cell_and_a_hanging_exercise_are_scored_within_the_limits(tmp_path, labs):
-    hang = "def one_f_one_b(stages, micro_batches):\n    while True:\n        pass"
+    # a hang that sleeps: the judge is ended at its limit all the same, and a spinning one
+    # would take a core from the suite's other workers for the whole 45 s
+    hang = (
+        "def one_f_one_b(stages, micro_batches):\n    import time\n\n"
+        "    while True:\n        time.sleep(1)"
+    )
     nb = notebook(hang, ASSIGN, extra=["import time\ntime.sleep(600)"])
     # limits long enough for a loaded machine to import torch in the kernel and the judge
     # (2-6 s) and check the honest exercise (each of its 7 cases on a rank of its own: over
