@@ -23,7 +23,12 @@ LINTED := overlapkit tests solutions
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --disable-pip-version-check $(PIP_ARGS) -e '.[lab,test]'
+	$(BIN)/python -m pip install --disable-pip-version-check --no-compile $(PIP_ARGS) -e '.[lab,test]'
+	@# pip byte-compiles what it installs on one core (~50 s of torch's modules here);
+	@# compileall uses every core (~29 s). Modules that do not compile on this Python (torch's
+	@# tests for newer ones) are left, as pip leaves them: hence `|| true`.
+	@$(BIN)/python -m compileall -q -j 0 "$$($(BIN)/python -c \
+		'import sysconfig; print(sysconfig.get_path("purelib"))')" > /dev/null || true
 	@touch $@
 
 venv: $(STAMP)
