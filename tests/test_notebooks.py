@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import re
-import sys
 from pathlib import Path
 
 import nbformat
@@ -50,21 +49,24 @@ def test_only_names_left_unassigned_by_an_unfinished_exercise_may_be_missing():
 #: which pytest shows with a failure): lab 07 hung past pytest's 300 s twice in ~30 CI
 #: runs and could not be reproduced in 24 runs beside two others, so the next one must say where
 STACKS_AFTER_S = 200
-WATCH = (
-    "import faulthandler, sys\n"
-    "def _arm(*_):\n"
-    f"    faulthandler.dump_traceback_later({STACKS_AFTER_S}, file=sys.__stderr__)\n"
-    "def _disarm(*_):\n"
-    "    faulthandler.cancel_dump_traceback_later()\n"
-    "get_ipython().events.register('pre_run_cell', _arm)\n"
-    "get_ipython().events.register('post_run_cell', _disarm)"
-)
 
 
-def run_watched(nb, folder: Path, cell_timeout: float) -> None:
-    """Execute ``nb`` in a fresh kernel; a cell that runs past STACKS_AFTER_S dumps the
+def _watch(after_s: float) -> str:
+    return (
+        "import faulthandler, sys\n"
+        "def _arm(*_):\n"
+        f"    faulthandler.dump_traceback_later({after_s}, file=sys.__stderr__)\n"
+        "def _disarm(*_):\n"
+        "    faulthandler.cancel_dump_traceback_later()\n"
+        "get_ipython().events.register('pre_run_cell', _arm)\n"
+        "get_ipython().events.register('post_run_cell', _disarm)"
+    )
+
+
+def run_watched(nb, folder: Path, cell_timeout: float, stacks_after_s: float = STACKS_AFTER_S):
+    """Execute ``nb`` in a fresh kernel; a cell that runs past ``stacks_after_s`` dumps the
     kernel's stacks first. (The watching cell is removed again afterwards.)"""
-    nb.cells.insert(0, nbformat.v4.new_code_cell(WATCH))
+    nb.cells.insert(0, nbformat.v4.new_code_cell(_watch(stacks_after_s)))
     try:
         NotebookClient(
             nb,
@@ -77,12 +79,10 @@ def run_watched(nb, folder: Path, cell_timeout: float) -> None:
         del nb.cells[0]
 
 
-def test_a_cell_that_runs_too_long_prints_the_kernels_stacks(tmp_path, capfd, monkeypatch):
-    monkeypatch.setattr(sys.modules[__name__], "WATCH", WATCH.replace(
-        f"({STACKS_AFTER_S},", "(1,"))  # fmt: skip
+def test_a_cell_that_runs_too_long_prints_the_kernels_stacks(tmp_path, capfd):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
         "import time\ndef stuck_here():\n    time.sleep(3)\nstuck_here()")])  # fmt: skip
-    run_watched(nb, tmp_path, cell_timeout=60)
+    run_watched(nb, tmp_path, cell_timeout=60, stacks_after_s=1)
     err = capfd.readouterr().err
     assert "stuck_here" in err and "Thread" in err, err[-2000:]
     assert len(nb.cells) == 1
