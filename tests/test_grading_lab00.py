@@ -284,3 +284,16 @@ def test_a_pair_returned_without_fitting_fails_every_run():
     for _ in range(soak_runs(3)):
         report = lab00.check_fit_alpha_beta(guessed)
         assert not report.all_passed, report.cases
+
+
+def test_calls_nearest_different_round_trip_candidates_still_name_the_round_trip():
+    # three calls nearest three round-trip candidates, one nearest a total: counted by
+    # full name, the vote split four ways and could name the total (fresh-clone run 35)
+    wrong = ["round trip:median0", "total:2", "round trip:mean1", "round trip:loop0"]
+    for order in (wrong, wrong[::-1], wrong[1:] + wrong[:1]):
+        assert "round-trip time instead of half" in lab00._mistake_hint(order, 3.2)
+
+
+def test_a_tied_vote_between_mistakes_goes_to_the_ratio():
+    assert "round-trip" in lab00._mistake_hint(["total:1", "round trip:median0"], 2.1)
+    assert "total over all" in lab00._mistake_hint(["round trip:median0", "total:1"], 7.5)

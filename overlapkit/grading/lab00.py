@@ -35,6 +35,9 @@ _WRONG = {
 }
 
 
+_TOTAL_HINT = " Did you return the total over all iterations instead of the median of one?"
+
+
 def _interleaved(student_fn, nbytes, iters, rounds):
     """On each rank: student, kit, student, kit... at one size; the per-round times
     (the fallback judgement when the check could not time the learner's messages)."""
@@ -117,12 +120,27 @@ def _ratio_hint(ratio: float) -> str:
     if 3e5 < ratio < 3e6:
         return _WRONG["microseconds"][1]
     if 3.0 <= ratio <= 50:
-        return " Did you return the total over all iterations instead of the median of one?"
+        return _TOTAL_HINT
     if 0.3 < ratio < 0.7:
         return _WRONG["half"][1]
     if ratio <= 0.3:
         return " Do you time the whole round trip, both send and recv?"
     return ""
+
+
+def _mistake_hint(wrong: list[str], ratio: float) -> str:
+    """The hint for the mistake most calls' values sat nearest. Candidates are counted by
+    kind ("round trip:median0" and "round trip:loop1" are one mistake): counted by full name,
+    three calls nearest three different round-trip candidates and one nearest a total
+    split the vote, and a loaded run named the total. A tie goes to the ratio's hint."""
+    kinds = [name.split(":")[0] for name in wrong]
+    kinds = ["total" if kind.startswith("total") else kind for kind in kinds]
+    hints = {kind: _WRONG[kind][1] if kind in _WRONG else _TOTAL_HINT for kind in kinds}
+    if not kinds:
+        return _ratio_hint(ratio)
+    most = max(map(kinds.count, kinds))
+    tied = [hints[kind] for kind in dict.fromkeys(kinds) if kinds.count(kind) == most]
+    return _ratio_hint(ratio) if len(tied) > 1 and _ratio_hint(ratio) in tied else tied[0]
 
 
 def check_ping_pong(ping_pong, timeout: float = 10.0) -> Report:
@@ -191,11 +209,7 @@ def _check_timing(report: Report, ping_pong, timeout: float) -> None:
     if passed * 2 > len(verdicts):
         report.ok(f"{size}: the one-way time agrees with your own messages, timed as they ran")
         return
-    wrong = [name for right, name in verdicts if not right]
-    mistake = max(set(wrong), key=wrong.count).split(":")[0]
-    hint = (_WRONG[mistake][1] if mistake in _WRONG
-            else " Did you return the total over all iterations instead of the median of one?"
-            if mistake.startswith("total") else _ratio_hint(ratio))  # fmt: skip
+    hint = _mistake_hint([name for right, name in verdicts if not right], ratio)
     report.fail(
         f"{size}: your one-way time is {ratio:.2f}× the median one-way time of the round trips "
         f"your function made, as the check timed them (median of {len(values)} calls: yours "
