@@ -12,16 +12,27 @@ import torch
 INFRASTRUCTURE = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
 
 
+def _execd_cmdline(root: psutil.Process, child: psutil.Process, limit_s: float = 2.0) -> list[str]:
+    """``child``'s command line once it differs from ``root``'s (a fork exec's within
+    milliseconds; one that never does is judged by the copy it shows)."""
+    mine, end = root.cmdline(), time.monotonic() + limit_s
+    while (line := child.cmdline()) == mine and time.monotonic() < end:
+        time.sleep(0.01)
+    return line
+
+
 def descendants_except_infrastructure(root: psutil.Process) -> list[psutil.Process]:
     """Live descendants of ``root`` other than its forkserver and resource tracker.
 
     Ranks are forked *from* the forkserver, so they carry its command line:
-    only the direct children of ``root`` are judged by command line.
+    only the direct children of ``root`` are judged by command line, and only once they
+    have exec'd (a forkserver forked but not yet exec'd shows ``root``'s own command line:
+    test_launch's rank count once took one for a rank).
     """
     infrastructure = set()
     for child in root.children():
         try:
-            if any(name in " ".join(child.cmdline()) for name in INFRASTRUCTURE):
+            if any(name in " ".join(_execd_cmdline(root, child)) for name in INFRASTRUCTURE):
                 infrastructure.add(child.pid)
         except psutil.NoSuchProcess:
             continue
