@@ -164,3 +164,43 @@ def take_unwaited() -> list[str]:
     for handle in left:
         handle.waited = True
     return [f"{h.what} (started at {h.site})" for h in left]
+
+
+class Polled:
+    """A gloo send's or receive's work whose ``is_completed()`` can be polled.
+
+    Gloo marks its point-to-point works complete inside ``wait()`` alone: polled without
+    one, ``is_completed()`` stays False after the message has long arrived, and a loop of
+    ``wait(timeout=…)`` built on polling never ends. So the first poll starts a thread of
+    the work's own that waits for it; ``wait()`` then waits for that thread (a gloo work
+    waited twice waits for a second message), else waits as before."""
+
+    def __init__(self, work):
+        self._work = work
+        self._done: threading.Event | None = None
+        self._error: BaseException | None = None
+
+    def is_completed(self) -> bool:
+        if self._done is None:
+            self._done = threading.Event()
+            threading.Thread(target=self._wait_then_mark, daemon=True,
+                             name="overlapkit-gloo-waiter").start()  # fmt: skip
+        return self._done.is_set()
+
+    def _wait_then_mark(self) -> None:
+        try:
+            self._work.wait()
+        except Exception as exc:  # noqa: BLE001 - raised by wait(), in the caller's thread
+            self._error = exc
+        self._done.set()
+
+    def wait(self, *args, **kwargs):
+        if self._done is None:
+            return self._work.wait(*args, **kwargs)
+        self._done.wait()  # the waiter thread's wait() is the one wait gloo allows
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)

@@ -394,17 +394,22 @@ def _pg_send(tensor: torch.Tensor, dst: int, group, tag: int):
     """Start sending through the stream's process group; the user stream uses ``group``."""
     if current_op() is None:
         _count_user_op()
-        return dist.isend(tensor, dst, group=group, tag=tag)
+        return _pollable(dist.isend(tensor, dst, group=group, tag=tag), tensor)
     pg = _kit_group(group, tensor.device)
-    return pg.send([tensor], _to_pg_rank(group, dst), _kit_tag(tag))
+    return _pollable(pg.send([tensor], _to_pg_rank(group, dst), _kit_tag(tag)), tensor)
 
 
 def _pg_recv(tensor: torch.Tensor, src: int, group, tag: int):
     if current_op() is None:
         _count_user_op()
-        return dist.irecv(tensor, src, group=group, tag=tag)
+        return _pollable(dist.irecv(tensor, src, group=group, tag=tag), tensor)
     pg = _kit_group(group, tensor.device)
-    return pg.recv([tensor], _to_pg_rank(group, src), _kit_tag(tag))
+    return _pollable(pg.recv([tensor], _to_pg_rank(group, src), _kit_tag(tag)), tensor)
+
+
+def _pollable(work, tensor: torch.Tensor):
+    """Gloo's (a CPU tensor's) work, made pollable (handles.Polled); NCCL's polls as is."""
+    return handles.Polled(work) if tensor.device.type == "cpu" else work
 
 
 _side_streams: dict = {}

@@ -315,3 +315,27 @@ def test_the_link_also_works_without_shared_memory():
     link = ok.Link(latency_us=20, bandwidth_gbps=1)
     got = ok.launch(_through_the_process_group, world_size=2, link=link)
     assert got == [([1.0] * 3, [0.0, 3.0, 6.0]), ([0.0] * 3, [0.0, 3.0, 6.0])]
+
+
+def _polled_through_the_process_group():
+    p2p.use_shared_memory(None)
+    me, peer = ok.rank(), 1 - ok.rank()
+    got = torch.empty(4)
+    handles = [p2p.isend(torch.full((4,), float(me)), peer), p2p.irecv(got, peer)]
+    for h in handles:  # as a check's patient wait does: short waits until it is through
+        while True:
+            try:
+                h.wait(timeout=0.05)
+                break
+            except TimeoutError:
+                pass
+    return got.tolist(), all(h.is_completed() for h in handles)
+
+
+@pytest.mark.parametrize("rendezvous", [False, True])
+def test_waits_with_a_timeout_end_for_messages_through_the_process_group(rendezvous):
+    # gloo marks a send or receive complete inside wait() alone: a timed wait that polled
+    # is_completed() never saw one arrive (lab 11's check hung on it)
+    link = ok.Link(latency_us=0, bandwidth_gbps=1000, rendezvous=rendezvous)
+    got = ok.launch(_polled_through_the_process_group, world_size=2, link=link, timeout=60)
+    assert got == [([1.0] * 4, True), ([0.0] * 4, True)]
