@@ -23,7 +23,7 @@ import torch.distributed.distributed_c10d as c10d
 from .. import p2p
 from ..inflight import debug_races
 from ..launcher import hide_frames_from
-from . import answers, nosockets
+from . import answers, nofiles, nosockets
 
 P2P = ("send", "recv", "isend", "irecv")
 COLLECTIVES = (
@@ -275,6 +275,8 @@ def _recorded(fn_bytes: bytes, args_bytes: bytes, forbid: tuple = (), payloads: 
     # no channel between the ranks but the kit's (and torch's, which the recorder counts):
     # from here on this process opens no socket (a process group of the learner's own)
     nosockets.forbid_new_sockets()
+    # nor a file the other ranks can read: the group's own store was such a channel
+    nofiles.seal_rank_files()
     # checks run with the read guard on: a tensor read before its operation's wait()
     # holds NaN every time, so a race fails the check every run, not one run in ten
     # the answers are looked up before the recorder replaces any of them
