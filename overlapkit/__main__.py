@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     bf = which.add_parser(
         "fsdp", help="fully sharded: no/implicit/explicit prefetch vs DDP and fully_shard"
     )
-    bf.add_argument("--units", type=int, default=4, help="Linear+Tanh blocks, one unit each")
+    bf.add_argument("--units", type=int, default=8, help="Linear+Tanh blocks, one unit each")
     bf.add_argument("--width", type=int, default=1024)
     bf.add_argument("--batch", type=int, default=256, help="per rank")
     bf.add_argument("--world-size", type=int, default=2)

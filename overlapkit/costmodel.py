@@ -359,12 +359,13 @@ def pipeline_step(schedule, forward, backward, transfer: float = 0.0,
 def fsdp_step(units, N: int, alpha: float, beta: float, prefetch: str = "none",
               backward_prefetch: bool = True, reshard_after_forward: bool = True,
               prefetch_depth: int = 1, shared_link: bool = True,
-              per_op: float = 0.0) -> dict:  # fmt: skip
+              per_op: float = 0.0, per_op_rs: float | None = None) -> dict:  # fmt: skip
     """Simulate one fully sharded step (``ok.FullyShardedDP``) from each unit's compute.
 
     ``units``: (forward seconds, backward seconds, bytes of the unit's whole parameters)
     per unit, in forward order. Each AllGather takes ``ring_all_gather(bytes)``, each
-    ReduceScatter ``ring_reduce_scatter(bytes)`` (+ ``per_op``); with ``shared_link`` both
+    ReduceScatter ``ring_reduce_scatter(bytes)`` (+ ``per_op``, or ``per_op_rs`` where given:
+    what a collective costs a computing host beyond α-β, measured); with ``shared_link`` both
     queue on one link in the order issued, else each on its own::
 
         forward   unit k waits for AG_k, computes F_k, frees the unit (reshard)
@@ -384,7 +385,8 @@ def fsdp_step(units, N: int, alpha: float, beta: float, prefetch: str = "none",
         raise ValueError(f"prefetch must be 'none', 'implicit' or 'explicit'; got {prefetch!r}")
     n = len(units)
     ag = [per_op + ring_all_gather(b, N, alpha, beta) for _, _, b in units]
-    rs = [per_op + ring_reduce_scatter(b, N, alpha, beta) for _, _, b in units]
+    per_op_rs = per_op if per_op_rs is None else per_op_rs
+    rs = [per_op_rs + ring_reduce_scatter(b, N, alpha, beta) for _, _, b in units]
     free = {"ag": 0.0, "rs": 0.0}
     spans, held = [], []  # held: (from, to, bytes) of whole units
     gathered: dict[int, float] = {}  # unit -> when its AllGather ends

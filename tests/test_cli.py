@@ -209,7 +209,10 @@ def test_bench_fsdp_compares_prefetch_modes_with_ddp_the_model_and_fully_shard(t
     for name in ("fsdp none", "fsdp explicit"):  # the shards and at most two whole units
         assert rows[name]["params_mib"] <= whole / 2 + 2 * unit + 1e-9
         assert rows[name]["step_ms"] > 0 and rows[name]["predicted_ms"] > 0
+        # the in-step prediction adds what the host's transfers cost: never less
+        assert rows[name]["in_step_pred_ms"] > 0
     assert "one unit's AllGather" in out and "explicit prefetch: step" in out
+    assert "timed in a step's conditions" in out and "at most 67%" in out
     assert "beside torch's fully_shard" in out or "fully_shard: not compared here" in out
     assert data["meta"]["units"] == 3
 

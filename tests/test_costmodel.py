@@ -269,3 +269,15 @@ def test_fsdp_step_on_a_free_link_is_the_compute_alone():
 ])  # fmt: skip
 def test_fsdp_step_holds_as_many_whole_units_as_prefetch_and_resharding_allow(kw, units_whole):
     assert _fsdp("explicit", **kw)["peak_gathered"] == units_whole * 4e6
+
+
+def test_fsdp_step_adds_a_host_cost_per_all_gather_and_its_own_per_reduce_scatter():
+    plain = _fsdp("none")
+    slower_gathers = _fsdp("none", per_op=2e-3, per_op_rs=0.0)
+    # without prefetch the forward waits through each of its 4 gathers; in backward (which
+    # prefetches one unit) only the first re-gather is waited for, the rest sit under a
+    # 20 ms backward that has room for 2 ms more
+    assert slower_gathers["forward_wait"] == pytest.approx(plain["forward_wait"] + 4 * 2e-3)
+    assert slower_gathers["step"] == pytest.approx(plain["step"] + 5 * 2e-3)
+    both = _fsdp("none", per_op=2e-3)  # per_op_rs defaults to per_op
+    assert both["comm"] == pytest.approx(plain["comm"] + 12 * 2e-3)

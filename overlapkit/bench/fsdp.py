@@ -17,7 +17,12 @@ ReduceScatter, SGD), x_none (÷ the step without prefetch), fwd_hidden (share of
 forward's AllGather time during which a unit computed), exposed_ms (step − the compute
 the timeline saw), params_mib (per rank, the most parameter bytes held at once: the
 shards plus the whole units, as the wrapper counted them; for DDP the whole model),
-predicted_ms (``ok.costmodel.fsdp_step`` from the timed block and the link) and its error.
+predicted_ms (``ok.costmodel.fsdp_step`` from the block timed alone and the link's α-β)
+and its error, and in_step_pred_ms (the same model fed with a unit's transfers and compute
+as timed beside each other on these ranks, ``_time_in_step``) and its error: where the two
+predictions part, the host's share of communication is what the α-β model misses.
+A forward hides at most (units − 1)/units of its AllGathers: the first unit's has no
+compute before it (hence the default of 8 units).
 
 Then, without a link (gloo's own AllGather and ReduceScatter on both sides): the kit's
 explicit prefetch against ``torch.distributed.fsdp.fully_shard`` on the same units (and
@@ -34,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .. import costmodel, p2p, runtime
+from ..collectives import ring_all_gather, ring_reduce_scatter
 from ..ddp import BucketedDDP
 from ..fsdp import FullyShardedDP
 from ..timeline import COMPUTE, Timeline, intersect, length, union
@@ -67,6 +73,81 @@ def _time_block(width: int, batch: int, reps: int = 9) -> tuple[float, float]:
             fs.append(t1 - t0)
             bs.append(t2 - t1)
     return statistics.median(fs), statistics.median(bs)
+
+
+def _time_in_step(width: int, batch: int, unit_bytes: int, reps: int = 5) -> dict:
+    """What a unit's transfers and compute take on this rank in a step, timed on every rank
+    at once (medians, seconds): one unit's ring AllGather with nothing else running
+    (``ag_idle``: a step without prefetch waits through it) and while the unit's forward
+    runs again and again (``ag_busy``: a prefetched forward), one ReduceScatter while the
+    backward does (``rs_busy``), and those forwards and backwards meanwhile (``fwd_busy``,
+    ``bwd_busy``). The link's α-β model leaves out what the ring's copies and the emulated
+    link's threads take from a computing rank, and what they take from its compute."""
+    block = make_model(1, width)[0]
+    x = torch.randn(batch, width, requires_grad=True)
+    world = runtime.world_size()
+    numel = -(-(unit_bytes // 4) // world) * world  # padded as the wrapper pads its shards
+    full, shard = torch.zeros(numel), torch.zeros(numel // world)
+    got: dict = {k: [] for k in ("ag_idle", "ag_busy", "rs_busy", "fwd_busy", "bwd_busy")}
+
+    def while_in_flight(start_op, work) -> tuple[float, float]:
+        dist.barrier()
+        start, ends, spent = time.perf_counter(), [], []
+        handle = start_op()
+        handle.get_future().then(lambda _: ends.append(time.perf_counter()))
+        while not ends:  # keep computing until the transfer is over, as a step would
+            spent.append(work())
+        handle.wait()
+        return ends[0] - start, statistics.median(spent) if spent else float("nan")
+
+    def forward():
+        t0 = time.perf_counter()
+        block(x)
+        return time.perf_counter() - t0
+
+    def backward():
+        y = block(x)
+        t0 = time.perf_counter()
+        y.backward(torch.ones_like(y))
+        return time.perf_counter() - t0
+
+    for i in range(reps + 1):  # the first round warms up
+        dist.barrier()
+        start = time.perf_counter()
+        ring_all_gather(full, shard)
+        idle = time.perf_counter() - start
+        ag, fwd = while_in_flight(lambda: ring_all_gather(full, shard, async_op=True), forward)
+        rs, bwd = while_in_flight(
+            lambda: ring_reduce_scatter(shard, full, async_op=True), backward)  # fmt: skip
+        if i:
+            for key, value in zip(got, (idle, ag, rs, fwd, bwd), strict=True):
+                got[key].append(value)
+    return {key: statistics.median(values) for key, values in got.items()}
+
+
+def _predict(config: str, units: int, world: int, link, block, in_step, unit_bytes) -> dict:
+    """``costmodel.fsdp_step`` for one configuration, twice: from the link's α-β and the
+    block timed alone (``alpha_beta``), and with what a step's transfers and compute were
+    timed to take on these ranks (``in_step``: a step without prefetch waits through idle
+    transfers; a prefetched one computes beside them)."""
+    prefetch = config.split()[1]
+    forward, backward = block
+    ag_model = costmodel.ring_all_gather(unit_bytes, world, link.alpha, link.beta)
+    rs_model = costmodel.ring_reduce_scatter(unit_bytes, world, link.alpha, link.beta)
+
+    def step(fwd, bwd, per_op, per_op_rs):
+        return costmodel.fsdp_step([(fwd, bwd, unit_bytes)] * units, world, link.alpha,
+                                   link.beta, prefetch, backward_prefetch=prefetch != "none",
+                                   per_op=per_op, per_op_rs=per_op_rs)["step"]  # fmt: skip
+
+    overlapped = prefetch == "explicit"  # "implicit" is "none" on a CPU (costmodel)
+    measured = (
+        step(in_step["fwd_busy"], in_step["bwd_busy"], in_step["ag_busy"] - ag_model,
+             in_step["rs_busy"] - rs_model) if overlapped
+        else step(forward, backward, in_step["ag_idle"] - ag_model,
+                  in_step["rs_busy"] - rs_model)
+    )  # fmt: skip
+    return {"alpha_beta": step(forward, backward, 0.0, 0.0), "in_step": measured}
 
 
 def _size_link(forward: float, nbytes: int, world: int, share: float) -> p2p.Link:
@@ -122,6 +203,9 @@ def _rank_bench(units, width, batch, reps, warmup, share, compare, progress):
     if link is None:
         link = _size_link(forward, unit_bytes, world, share)
         p2p.set_link(link)
+    timed = [None] * world
+    dist.all_gather_object(timed, _time_in_step(width, batch, unit_bytes))
+    in_step = {k: max(t[k] for t in timed) for k in timed[0]}  # the slowest rank's
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(runtime.rank()))
     timelines = {c: Timeline() for c in CONFIGS}
     built = {c: _build(c, units, width, timelines[c]) for c in CONFIGS}
@@ -152,7 +236,7 @@ def _rank_bench(units, width, batch, reps, warmup, share, compare, progress):
     if runtime.rank() != 0:
         return None
     return {"times": times, "extra": gathered, "block": (forward, backward), "link": link,
-            "unit_bytes": unit_bytes, "torch": theirs}  # fmt: skip
+            "unit_bytes": unit_bytes, "in_step": in_step, "torch": theirs}  # fmt: skip
 
 
 def _fsdp_params(wrapper: FullyShardedDP) -> int:
@@ -201,7 +285,7 @@ def _beside_fully_shard(units, width, x, reps, warmup) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def run(units: int = 4, width: int = 1024, batch: int = 256, world: int = 2, link=None,
+def run(units: int = 8, width: int = 1024, batch: int = 256, world: int = 2, link=None,
         gather_share: float = 1.0, reps: int = 5, warmup: int = 2, torch_compare: bool = True,
         csv_path=None, json_path=None) -> list[dict]:  # fmt: skip
     if world < 2:
@@ -220,6 +304,13 @@ def run(units: int = 4, width: int = 1024, batch: int = 256, world: int = 2, lin
         f"{gather * 1e3:.1f} ms, its forward {forward * 1e3:.1f} ms, backward "
         f"{backward * 1e3:.1f} ms"
     )
+    t = result["in_step"]
+    print(
+        f"timed in a step's conditions (the slowest rank): one unit's AllGather "
+        f"{t['ag_idle'] * 1e3:.1f} ms alone, {t['ag_busy'] * 1e3:.1f} ms beside its forward "
+        f"(which took {t['fwd_busy'] * 1e3:.1f} ms meanwhile); its ReduceScatter "
+        f"{t['rs_busy'] * 1e3:.1f} ms beside its backward ({t['bwd_busy'] * 1e3:.1f} ms)"
+    )
     rows = []
     base = statistics.median(result["times"]["fsdp none"])
     for c in CONFIGS:
@@ -228,14 +319,9 @@ def run(units: int = 4, width: int = 1024, batch: int = 256, world: int = 2, lin
         hidden = [statistics.median(h for h, _, _ in r) for r in per_rank]
         busy = max(statistics.median(b for _, b, _ in r) for r in per_rank)
         held = max(max(m for _, _, m in r) for r in per_rank)
-        if c == "ddp":
-            predicted = float("nan")
-        else:
-            prefetch = c.split()[1]
-            model = costmodel.fsdp_step([(forward, backward, unit_bytes)] * units, world,
-                                        link.alpha, link.beta, prefetch,
-                                        backward_prefetch=prefetch != "none")  # fmt: skip
-            predicted = model["step"]
+        predicted = ({"alpha_beta": float("nan"), "in_step": float("nan")} if c == "ddp"
+                     else _predict(c, units, world, link, (forward, backward),
+                                   result["in_step"], unit_bytes))  # fmt: skip
         rows.append({
             "config": c,
             "step_ms": step * 1e3,
@@ -243,8 +329,10 @@ def run(units: int = 4, width: int = 1024, batch: int = 256, world: int = 2, lin
             "fwd_hidden": statistics.mean(hidden) if c != "ddp" else float("nan"),
             "exposed_ms": (step - busy) * 1e3,
             "params_mib": held / 2**20,
-            "predicted_ms": predicted * 1e3,
-            "pred_err": (predicted - step) / step,
+            "predicted_ms": predicted["alpha_beta"] * 1e3,
+            "pred_err": (predicted["alpha_beta"] - step) / step,
+            "in_step_pred_ms": predicted["in_step"] * 1e3,
+            "in_step_err": (predicted["in_step"] - step) / step,
         })  # fmt: skip
     print(format_table(rows))
     ddp_mib = rows[-1]["params_mib"]
@@ -252,7 +340,8 @@ def run(units: int = 4, width: int = 1024, batch: int = 256, world: int = 2, lin
     explicit = next(r for r in rows if r["config"] == "fsdp explicit")
     print(
         f"explicit prefetch: step {explicit['x_none']:.2f}× the step without, forward "
-        f"AllGathers {explicit['fwd_hidden']:.0%} hidden; parameters held "
+        f"AllGathers {explicit['fwd_hidden']:.0%} hidden (at most {(units - 1) / units:.0%}: "
+        f"the first unit's has no compute before it); parameters held "
         f"{explicit['params_mib']:.1f} MiB per rank against DDP's {ddp_mib:.1f} MiB "
         f"(1/N of DDP's + two units: {bound:.1f} MiB)"
     )
