@@ -9,15 +9,17 @@ privilege needed, irrevocable)::
 
     read      every path but the launcher's folder (the store, the other ranks' scratch)
               and the other processes' /proc entries (a peer's cmdline is writable)
-    write     this rank's own scratch folder (TMPDIR) only
+    write     this rank's own scratch folder (TMPDIR), and the emulated link's
+              shared-memory folder where a link is on (its bytes go there)
 
 A restriction holds for the thread that makes it and the threads it starts afterwards, so
 it is made where the rank has no other Python thread (checked: none that could run the
 learner's code). Where Landlock is missing (another OS, an old kernel, a container that
 filters it) :func:`forbid_shared_files` returns False and the check runs as before.
-A check over an emulated link moves the link's bytes through the process group instead of
-shared memory from then on. What it does not close: whatever passes through the process
-groups themselves, and a machine without Landlock.
+What it does not close: the emulated link's shared-memory folder, which a check over a
+link (most checks use one, for its headers) must leave open to both ranks: a learner who
+finds it can write files there; whatever passes through the process groups themselves;
+and a machine without Landlock.
 """
 
 from __future__ import annotations
@@ -139,10 +141,10 @@ def scratch_folder(inside: str, rank: int) -> str:
 
 def seal_rank_files() -> bool:
     """In a check's rank that ``ok.launch`` forked (it ends after the check), on gloo:
-    hide the launcher's folder (the store, the logs, the other ranks' scratch) and the
-    emulated link's shared-memory folder, and allow writing only in a scratch folder of
-    this rank's own. True when in place; then the rank ends without its store
-    (``_rank.store_out_of_reach``). Every rank of a check calls it at the same point."""
+    hide the launcher's folder (the store, the logs, the other ranks' scratch), and allow
+    writing only in a scratch folder of this rank's own and, where an emulated link is on,
+    in the link's shared-memory folder (its data path). True when in place; then the rank
+    ends without its store (``_rank.store_out_of_reach``)."""
     import torch.distributed as dist  # noqa: PLC0415
 
     from .. import _rank, p2p  # noqa: PLC0415
@@ -152,14 +154,18 @@ def seal_rank_files() -> bool:
         return False
     if dist.get_backend() != "gloo" or abi() < 1:
         return False
-    # an emulated link's bytes went through files both ranks write (overlapkit.shm): from
-    # here on they go through the process group (every rank of the check switches here,
-    # before its first message; the link's timing and headers are unchanged)
-    p2p.use_shared_memory(None)
     workdir = os.path.dirname(spec.store_path)
-    hidden = [workdir] + ([spec.shm_dir] if spec.shm_dir else [])
     scratch = scratch_folder(workdir, dist.get_rank())
-    if not forbid_shared_files(hidden, [scratch, "/dev/null"]):
+    # an emulated link's bytes go through files both ranks write (overlapkit.shm): that
+    # folder stays open where a link is on. Through the process group instead, a send and
+    # a receive of different sizes abort gloo (SIGABRT) where the checks name the mistake
+    writable = [scratch, "/dev/null"]
+    hidden = [workdir]
+    if spec.shm_dir and p2p.current_link() is not None:
+        writable.append(spec.shm_dir)
+    elif spec.shm_dir:
+        hidden.append(spec.shm_dir)
+    if not forbid_shared_files(hidden, writable):
         return False
     _rank.store_out_of_reach = True
     return True
