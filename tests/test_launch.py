@@ -20,6 +20,7 @@ import overlapkit as ok
 from overlapkit import runtime
 
 from .conftest import (
+    descendants_except_infrastructure,
     open_fds,
     rank_processes,
     wait_for_no_ranks,
@@ -32,18 +33,6 @@ def _sum_of_ranks(scale):
     t = torch.tensor([float(ok.rank() + 1)])
     dist.all_reduce(t)
     return (ok.rank(), ok.world_size(), t.item() * scale)
-
-
-def _ranks_of(parent: psutil.Process) -> list[psutil.Process]:
-    """The ranks a script launched: its forkserver's children, so its grandchildren.
-
-    Judging its children by command line miscounts: a forkserver or resource tracker that has
-    forked but not yet exec'd still shows the caller's command line (a CI run saw it)."""
-    found = []
-    for child in parent.children():
-        with contextlib.suppress(psutil.NoSuchProcess):
-            found += [p for p in child.children() if p.status() != psutil.STATUS_ZOMBIE]
-    return found
 
 
 def test_values_come_back_in_rank_order():
@@ -355,7 +344,7 @@ def test_interrupt_kills_every_rank(tmp_path):
         deadline = time.monotonic() + 60
         ranks = []
         while time.monotonic() < deadline and len(ranks) < 3:
-            ranks = _ranks_of(parent)
+            ranks = descendants_except_infrastructure(parent)
             time.sleep(0.1)
         assert len(ranks) == 3, "the ranks did not start"
         time.sleep(0.5)
@@ -425,10 +414,12 @@ def test_a_caller_killed_outright_takes_its_ranks_and_forkserver_with_it(tmp_pat
     try:
         parent = psutil.Process(proc.pid)
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and len(_ranks_of(parent)) < 2:
+        while time.monotonic() < deadline and len(descendants_except_infrastructure(parent)) < 2:
             time.sleep(0.1)
         everything = parent.children(recursive=True)  # ranks, forkserver, resource tracker
-        assert len(_ranks_of(parent)) >= 2, f"the ranks did not start: {everything}"
+        assert len(descendants_except_infrastructure(parent)) >= 2, (
+            f"the ranks did not start: {everything}"
+        )
         time.sleep(0.5)
         proc.kill()
         proc.wait(10)
