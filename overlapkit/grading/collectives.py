@@ -41,7 +41,7 @@ from ..collectives import chunk_bounds
 from ..p2p import Link
 from . import answers
 from . import traffic as recorder
-from .common import _learner_line, no_sockets_hint, report_failure
+from .common import _learner_line, report_failure, sealed_rank_hint
 from .lab01 import _HOW, PARTS, collective_calls, made_of_problem, padding_advice
 from .report import Report
 from .traffic import Traffic, run_recorded
@@ -363,7 +363,7 @@ def _explain_failure(text: str) -> str:
     """A rank's error (or a crashed rank's last words) in the exercise's terms."""
     if "posted a receive of" in text or "data size doesn't match" in text:
         return _SIZE_MISMATCH
-    return no_sockets_hint(text)
+    return sealed_rank_hint(text)
 
 
 def _explain_made_of(world: int):

@@ -58,7 +58,7 @@ def run_or_report(report: Report, what: str, fn, *args, world_size: int, timeout
     return None
 
 
-def no_sockets_hint(text: str) -> str:
+def sealed_rank_hint(text: str) -> str:
     """For an error a refused socket (``grading.nosockets``) or a hidden file
     (``grading.nofiles``) caused: why, and what to use."""
     if "Permission denied" in text:
@@ -82,7 +82,7 @@ def report_failure(report: Report, what: str, exc: BaseException, timeout: float
     given = explain or (lambda text: "")
 
     def explain(text: str) -> str:
-        return no_sockets_hint(text) or given(text)
+        return sealed_rank_hint(text) or given(text)
 
     if isinstance(exc, answers.AnswerRan):
         report.fail(f"{what}: {exc}")
@@ -170,7 +170,7 @@ def call_or_report(report: Report, what: str, fn, *args, forbid=None):
         if ran or isinstance(exc, answers.AnswerRan):  # the kit's answer ran, and refused
             report.fail(f"{what}: your function {answers.said(ran)}" if ran else f"{what}: {exc}")
             raise Unfinished from None
-        report.fail(f"{what}: raised {type(exc).__name__}: {exc}{no_sockets_hint(str(exc))}")
+        report.fail(f"{what}: raised {type(exc).__name__}: {exc}{sealed_rank_hint(str(exc))}")
         return False, None
     if ran:
         report.fail(f"{what}: your function {answers.said(ran)}")
