@@ -161,10 +161,13 @@ def test_a_result_returned_instead_of_written_in_place_gets_a_hint():
 
 def test_a_deadlocking_attempt_is_stopped_and_located():
     start = time.monotonic()
-    report = ok.grading.check_all_reduce(blocking_sends_first, world_sizes=(2,), timeout=3)
-    assert time.monotonic() - start < 15
+    # 10 s: the ranks import this test module (pytest with it) before they reach the line
+    # the message must name; beside a CPU hog 3 s were not enough (fresh-clone run 43: the
+    # stack was still in iniconfig's import)
+    report = ok.grading.check_all_reduce(blocking_sends_first, world_sizes=(2,), timeout=10)
+    assert time.monotonic() - start < 40
     ((passed, message),) = report.cases
-    assert not passed and "did not finish within 3 s" in message
+    assert not passed and "did not finish within 10 s" in message
     assert "dist.send(big, (me + 1) % world)" in message
 
 
