@@ -5,6 +5,7 @@ Conventional import: ``import overlapkit as ok``.
 
 from . import (
     builtin,
+    compression,
     costmodel,
     diagrams,
     fsdp,
@@ -72,6 +73,7 @@ __all__ = [
     "all_to_all",
     "CollectiveMismatchError",
     "builtin",
+    "compression",
     "costmodel",
     "diagrams",
     "grading",

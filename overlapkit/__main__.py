@@ -121,6 +121,22 @@ def main(argv: list[str] | None = None) -> int:
     bf.add_argument("--reps", type=int, default=5)
     bf.add_argument("--warmup", type=int, default=2)
     bf.add_argument("--no-torch", action="store_true", help="skip torch's fully_shard")
+    bc = which.add_parser(
+        "compression", help="fp16, top-k and PowerSGD (with/without error feedback) vs plain"
+    )
+    bc.add_argument("--steps", type=int, default=200)
+    bc.add_argument("--hidden", type=int, default=1024, help="the task's hidden width")
+    bc.add_argument("--batch", type=int, default=64, help="per rank")
+    bc.add_argument("--world-size", type=int, default=2)
+    bc.add_argument(
+        "--link",
+        default=None,
+        help="LATENCY_US,BANDWIDTH_GBPS (default: sized so a plain AllReduce ≈ "
+        "--comm-share × backward)",
+    )
+    bc.add_argument("--comm-share", type=float, default=2.0)
+    bc.add_argument("--lr", type=float, default=0.05)
+    bc.add_argument("--configs", default=None, help="comma-separated (default: all)")
     bt = which.add_parser(
         "tp", help="decomposed AllGather-matmul and matmul-ReduceScatter vs serial, vs the model"
     )
@@ -253,6 +269,13 @@ def _run(args) -> int:
             link=_parse_link(args.link), gather_share=args.gather_share, reps=args.reps,
             warmup=args.warmup, torch_compare=not args.no_torch, csv_path=args.csv,
             json_path=args.json)  # fmt: skip
+    elif args.bench == "compression":
+        from .bench.compression import CONFIGS, run
+
+        run(steps=args.steps, hidden=args.hidden, batch=args.batch, world=args.world_size,
+            link=_parse_link(args.link), comm_share=args.comm_share, lr=args.lr,
+            configs=args.configs.split(",") if args.configs else tuple(CONFIGS),
+            csv_path=args.csv, json_path=args.json)  # fmt: skip
     elif args.bench == "tp":
         from .bench.tp import run
 

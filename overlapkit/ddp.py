@@ -51,6 +51,7 @@ import torch.distributed as dist
 from . import costmodel, p2p, runtime
 from .builtin import builtin_all_reduce
 from .collectives import buckets_by_size, ring_all_reduce
+from .compression import Compressor
 from .handles import Done
 
 __all__ = [
@@ -72,10 +73,13 @@ def _resolve_all_reduce(all_reduce, group):
     PyTorch's DDP does with ``process_group``; without one, on a process group of the kit's
     own, so that a learner's ``dist.all_reduce`` on the default group never pairs with it),
     the kit's ring (``"ring"`` or ``ok.ring_all_reduce``: async, so an emulated link
-    applies), or any ``fn(tensor, async_op=True)`` that sums in place."""
+    applies), a compressor of ``ok.compression`` (it averages, from fewer bytes), or any
+    ``fn(tensor, async_op=True)`` that sums in place."""
     if all_reduce is None or all_reduce == "builtin":
         own = _own_group() if group is None else group
         return lambda flat: builtin_all_reduce(flat, group=own, async_op=True), own, False
+    if isinstance(all_reduce, Compressor):  # averages; wants each bucket's key and shapes
+        return all_reduce, group, True
     if all_reduce == "ring" or all_reduce is ring_all_reduce:
         # the ring averages as it goes (each rank divides its reduced chunk): no pass after
         reduce = lambda flat: ring_all_reduce(flat, op="avg", group=group, async_op=True)  # noqa: E731
@@ -83,7 +87,8 @@ def _resolve_all_reduce(all_reduce, group):
     if callable(all_reduce):
         return lambda flat: all_reduce(flat, async_op=True), group, False
     raise ValueError(
-        f"all_reduce must be None (the built-in), 'ring', or a function "
+        f"all_reduce must be None (the built-in), 'ring', a compressor of ok.compression, "
+        f"or a function "
         f"fn(tensor, async_op=True) that sums in place; got {all_reduce!r}"
     )
 
@@ -319,7 +324,16 @@ class _DataParallel(torch.nn.Module):
             elif p.grad.data_ptr() != part.data_ptr() or not p.grad.is_contiguous():
                 part.copy_(p.grad.reshape(-1))
                 p.grad = part.view_as(p)
-        handle = self._reduce(flat) or Done()
+        if isinstance(self._reduce, Compressor):
+            handle = self._reduce(
+                flat,
+                group=self._comm_group,
+                key=b,
+                exact_tail=(len(self._order) if last else 0),
+                shapes=[self._order[i].shape for i in idx],
+            )
+        else:
+            handle = self._reduce(flat) or Done()
         if self.timeline is not None:
             # a bucket of one gradient is named after its parameter
             name = self._names[idx[0]] if len(idx) == 1 else f"bucket {b}"
@@ -522,7 +536,7 @@ class BucketedDDP(_DataParallel):
 # --------------------------------------------------------------------------- PyTorch DDP
 
 
-def ddp_comm_hook(all_reduce=None, timeline=None):
+def ddp_comm_hook(all_reduce=None, timeline=None, compress=None):
     """A comm hook for ``DistributedDataParallel.register_comm_hook(state, hook)`` that
     averages each of PyTorch's gradient buckets with a kit collective (default: the
     kit's ring, async, so PyTorch's own reducer runs over an emulated link too).
@@ -530,8 +544,17 @@ def ddp_comm_hook(all_reduce=None, timeline=None):
     ``state`` is the process group (or ``None`` for the default one). ``all_reduce``
     is called as ``all_reduce(tensor, group=state, async_op=True)`` and must sum in
     place and return a handle with ``get_future()``. ``timeline`` records each
-    bucket's AllReduce on the comm lane.
+    bucket's AllReduce on the comm lane. ``compress``: a compressor of ``ok.compression``
+    instead (``ok.compression.PowerSGD(rank=4)``, one per model: it keeps each bucket's
+    residual and memory under the bucket's index), which averages from fewer bytes.
     """
+    if compress is not None:
+        if all_reduce is not None:
+            raise ValueError("ddp_comm_hook: give all_reduce= or compress=, not both")
+        if not isinstance(compress, Compressor):
+            raise TypeError(f"ddp_comm_hook: compress must be a compressor of ok.compression "
+                            f"(Half, TopK, PowerSGD); got {compress!r}")  # fmt: skip
+        return _compressed_hook(compress, timeline)
     all_reduce = all_reduce or ring_all_reduce
 
     def kit_all_reduce_hook(state, bucket):
@@ -540,11 +563,25 @@ def ddp_comm_hook(all_reduce=None, timeline=None):
         handle = all_reduce(buf, group=state, async_op=True)
         if timeline is not None:
             timeline.track(f"torch bucket {bucket.index()}", handle, "comm")
-        return handle.get_future().then(lambda _: buf.div_(world))
+        # value() first: a callback that ignores it turns a failed reduction into a result
+        return handle.get_future().then(lambda done: (done.value(), buf.div_(world))[1])
 
     # DDP checks the annotation itself (a string here, under postponed annotations)
     kit_all_reduce_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
     return kit_all_reduce_hook
+
+
+def _compressed_hook(compress, timeline):
+    def kit_compressed_hook(state, bucket):
+        buf = bucket.buffer()
+        shapes = [g.shape for g in bucket.gradients()]
+        handle = compress(buf, group=state, key=bucket.index(), shapes=shapes)
+        if timeline is not None:
+            timeline.track(f"torch bucket {bucket.index()}", handle, "comm")
+        return handle.get_future().then(lambda done: (done.value(), buf)[1])
+
+    kit_compressed_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+    return kit_compressed_hook
 
 
 # --------------------------------------------------------------------------- measuring backward

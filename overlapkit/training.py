@@ -12,6 +12,14 @@ gradient of its own batch; what happens next is the mode::
     accumulate   k gradients summed locally (no communication), one AllReduce, one update
     (k)
 
+Stale gradients can be *compensated* (DC-ASGD, Zheng et al. 2017): a gradient computed at
+the parameters w_then and applied at w_now is first moved towards the one at w_now by a
+first-order step whose Hessian is approximated by λ·g⊙g (``compensate=λ``)::
+
+    g_now ≈ g + λ · g ⊙ g ⊙ (w_now − w_then)
+
+and ``clip=c`` scales any applied gradient whose norm exceeds c down to c (in every mode).
+
 ``slow={rank: factor}`` makes that rank a straggler: its forward and backward are
 stretched (by sleeping) to ``factor`` times the usual compute of a step — the slowest
 rank's median, timed on every rank before training — so "15% slower" means 15% slower
@@ -38,6 +46,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from . import runtime
 from .builtin import builtin_all_reduce
 from .collectives import ring_all_reduce
+from .compression import Compressor
 from .handles import Done
 
 __all__ = ["Task", "train", "History", "MODES", "builtin_all_reduce"]
@@ -118,6 +127,28 @@ def _apply(model, flat: torch.Tensor, lr: float) -> None:
             at += n
 
 
+def _parameters(model) -> torch.Tensor:
+    return parameters_to_vector(model.parameters()).detach().clone()
+
+
+def _compensated(grad: torch.Tensor, lam: float, moved: torch.Tensor) -> torch.Tensor:
+    """DC-ASGD: a gradient taken before the parameters ``moved``, carried to where they are
+    now by a Taylor step whose Hessian is approximated by λ·g⊙g (every rank has the same
+    averaged g and the same parameters, so every rank compensates alike)::
+
+        g_now ≈ g + λ · g ⊙ g ⊙ (w_now − w_then)
+    """
+    return grad + lam * grad * grad * moved
+
+
+def _clipped(grad: torch.Tensor, clip: float | None) -> torch.Tensor:
+    """``grad`` scaled down to norm ``clip`` if it is longer (as clip_grad_norm_ does)."""
+    if clip is None:
+        return grad
+    norm = torch.linalg.vector_norm(grad)
+    return grad * (clip / norm) if norm > clip else grad
+
+
 def _averaged(model, all_reduce) -> torch.Tensor:
     """Every parameter of ``model``, flat, averaged over the ranks (one AllReduce)."""
     flat = parameters_to_vector(model.parameters()).detach()
@@ -169,13 +200,16 @@ def _eval_loss(task: Task, model, all_reduce) -> float:
 
 def train(task: Task, steps: int = 200, lr: float = 0.05, mode: str = "sync",
           staleness: int = 1, local_steps: int = 4, accumulate: int = 4,
-          slow: dict | None = None, eval_every: int = 10, all_reduce=None,
-          timeline=None) -> History:  # fmt: skip
+          slow: dict | None = None, eval_every: int = 10, all_reduce=None, timeline=None,
+          compensate: float = 0.0, clip: float | None = None) -> History:  # fmt: skip
     """Train ``task``'s model for ``steps`` steps on every rank; see the module's text.
 
     ``all_reduce(tensor, op=..., async_op=...)``: the collective (default the kit's ring,
-    over the link when one is set; ``"builtin"``: :func:`builtin_all_reduce`).
-    ``timeline`` gets compute, straggler and comm spans.
+    over the link when one is set; ``"builtin"``: :func:`builtin_all_reduce`); or a
+    compressor of ``ok.compression``, which then averages the gradients (the whole model's,
+    one bucket) while the parameters and evaluations are averaged exactly by the ring.
+    ``timeline`` gets compute, straggler and comm spans. ``compensate``: DC-ASGD's λ for
+    stale gradients; ``clip``: the largest gradient norm applied (both in the module's text).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
@@ -184,15 +218,38 @@ def train(task: Task, steps: int = 200, lr: float = 0.05, mode: str = "sync",
         if not isinstance(value, int) or value < (0 if name == "staleness" else 1):
             raise ValueError(f"{name} must be an integer ≥ {0 if name == 'staleness' else 1}, "
                              f"got {value!r}")  # fmt: skip
+    if isinstance(compensate, bool) or not isinstance(compensate, int | float) or compensate < 0:
+        raise ValueError(f"compensate is DC-ASGD's λ ≥ 0; got {compensate!r}")
+    if compensate and mode != "stale":
+        raise ValueError(f"compensate= corrects stale gradients: it needs mode='stale', "
+                         f"not {mode!r}")  # fmt: skip
+    if clip is not None and not (isinstance(clip, int | float) and clip > 0):
+        raise ValueError(f"clip is the largest gradient norm applied, > 0 (or None); got {clip!r}")
     slow = slow or {}
     world, me = runtime.world_size(), runtime.rank()
     for rank, factor in slow.items():
         if not 0 <= rank < world or not factor >= 1:
             raise ValueError(f"slow={slow}: give {{rank: factor ≥ 1}} for ranks 0…{world - 1}")
-    all_reduce = builtin_all_reduce if all_reduce == "builtin" else all_reduce or ring_all_reduce
+    compressor = all_reduce if isinstance(all_reduce, Compressor) else None
+    if compressor is not None:
+        all_reduce = ring_all_reduce
+    if all_reduce is None or (isinstance(all_reduce, str) and all_reduce == "ring"):
+        all_reduce = ring_all_reduce
+    elif isinstance(all_reduce, str) and all_reduce == "builtin":
+        all_reduce = builtin_all_reduce
+    elif not callable(all_reduce):
+        raise ValueError(f"all_reduce must be 'ring' (the default), 'builtin', a compressor of "
+                         f"ok.compression or a function; got {all_reduce!r}")  # fmt: skip
     if world == 1:  # nothing to exchange; the modes still delay and batch as they do
-        all_reduce = _alone
+        all_reduce, compressor = _alone, None
     model = task.model()
+    shapes = [p.shape for p in model.parameters()]
+
+    def average_gradient(grad, async_op=False):
+        if compressor is None:
+            return all_reduce(grad, op="avg", async_op=async_op)
+        return compressor(grad, shapes=shapes, async_op=async_op)
+
     if world > 1:  # every rank starts from rank 0's parameters
         for p in model.parameters():
             dist.broadcast(p.data, 0)
@@ -202,7 +259,7 @@ def train(task: Task, steps: int = 200, lr: float = 0.05, mode: str = "sync",
     # a pool of batches cycled through, so a step times the model, not the data
     pool = [task.batch_of(task.batch, gen) for _ in range(min(steps * micro, POOL))]
     history = History(mode)
-    in_flight: deque = deque()  # stale mode: (handle, flat gradient) oldest first
+    in_flight: deque = deque()  # stale mode: (handle, gradient, start, w_then) oldest first
     factor = float(slow.get(me, 1.0))
     clock = 0.0  # training time only: evaluation is not counted
 
@@ -238,22 +295,25 @@ def train(task: Task, steps: int = 200, lr: float = 0.05, mode: str = "sync",
         # ---- communicate and update, by mode
         t2 = time.perf_counter()
         if mode in ("sync", "accumulate"):
-            all_reduce(grad, op="avg")
+            average_gradient(grad)
             span("all_reduce", t2, "comm")
-            _apply(model, grad, lr)
+            _apply(model, _clipped(grad, clip), lr)
         elif mode == "stale":
             if staleness == 0:
-                all_reduce(grad, op="avg")
-                _apply(model, grad, lr)
+                average_gradient(grad)
+                _apply(model, _clipped(grad, clip), lr)
             else:
-                in_flight.append((all_reduce(grad, op="avg", async_op=True), grad, t2))
+                w_then = _parameters(model) if compensate else None
+                in_flight.append((average_gradient(grad, async_op=True), grad, t2, w_then))
                 if len(in_flight) > staleness:  # the gradient of `staleness` steps ago
-                    handle, old, started = in_flight.popleft()
+                    handle, old, started, w_then = in_flight.popleft()
                     handle.wait()
                     span("all_reduce (stale)", started, "comm")
-                    _apply(model, old, lr)
+                    if compensate:
+                        old = _compensated(old, compensate, _parameters(model) - w_then)
+                    _apply(model, _clipped(old, clip), lr)
         else:  # local SGD
-            _apply(model, grad, lr)
+            _apply(model, _clipped(grad, clip), lr)
             if step % local_steps == 0:
                 _average_parameters(model, all_reduce)
                 span("average parameters", t2, "comm")
@@ -262,6 +322,6 @@ def train(task: Task, steps: int = 200, lr: float = 0.05, mode: str = "sync",
         clock += elapsed
         if step % eval_every == 0 or step == steps:
             record(step)
-    for handle, _, _ in in_flight:  # nothing left running
+    for handle, *_ in in_flight:  # nothing left running
         handle.wait()
     return history

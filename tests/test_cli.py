@@ -290,3 +290,21 @@ def test_an_unknown_lab_is_refused_with_the_list():
     proc = subprocess.run([sys.executable, "-m", "overlapkit", "lab", "42"], capture_output=True,
                           text=True, timeout=120, cwd=ROOT)  # fmt: skip
     assert proc.returncode != 0 and "no lab '42': choose one of 00, 01" in proc.stderr
+
+
+def test_bench_compression_compares_compressors_with_plain_from_their_own_byte_counts(tmp_path):
+    out_json = tmp_path / "compression.json"
+    out = run("-m", "overlapkit", "bench", "compression", "--steps", "6", "--hidden", "32",
+              "--configs", "none,topk 1%,powersgd r4", "--json", str(out_json))  # fmt: skip
+    assert "one plain AllReduce" in out
+    rows = {r["config"]: r for r in json.loads(out_json.read_text())["rows"]}
+    assert list(rows) == ["none", "topk 1%", "powersgd r4"]
+    assert rows["none"]["x_bytes"] == 1 and rows["none"]["x_step"] == 1
+    # 2145 gradients: plain 2(N−1)/N·4·2145 bytes; top-k 21 values and indices; PowerSGD
+    # rank 4 on the 32×32 and 32×32 matrices, the rest whole
+    assert rows["none"]["kib_sent"] == pytest.approx(2145 * 4 / 1024)
+    assert rows["topk 1%"]["kib_sent"] == pytest.approx(21 * 12 / 1024)
+    assert 0 < rows["powersgd r4"]["x_bytes"] < 0.6
+    for r in rows.values():
+        assert r["step_ms"] > 0 and r["predicted_ms"] > 0 and r["loss"] > 0
+    assert rows["topk 1%"]["pays_below_gbps"] > 0

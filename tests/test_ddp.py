@@ -524,3 +524,29 @@ def test_on_cuda_every_wrapper_and_torch_ddp_with_the_kit_hook_train_like_one_pr
     for rank, worst in enumerate(ok.launch(_cuda_wrappers, world_size=world, timeout=300)):
         for config, diff in worst.items():
             assert diff < 1e-4, f"rank {rank}, {config}: max |Δweight| = {diff}"
+
+
+def _fails(tensor, group=None, async_op=True):
+    def boom():
+        raise ValueError("this all_reduce fails on purpose")
+
+    return ok.collectives.run_async(boom, group)
+
+
+def _torch_ddp_with_a_failing_kit_hook():
+    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
+
+    ddp = DistributedDataParallel(torch.nn.Linear(8, 8))
+    ddp.register_comm_hook(None, ok.ddp_comm_hook(all_reduce=_fails))
+    try:
+        ddp(torch.randn(4, 8)).sum().backward()
+    except Exception as exc:  # noqa: BLE001 - what the learner would see
+        return str(exc)
+    return "no error"
+
+
+def test_a_kit_collective_that_fails_inside_torchs_ddp_fails_its_backward_with_the_reason():
+    """The hook's callback reads the result first: one that ignored it passed a failed
+    reduction on to PyTorch as a finished one (the gradients left unreduced, no error)."""
+    for said in ok.launch(_torch_ddp_with_a_failing_kit_hook, world_size=2, timeout=60):
+        assert "this all_reduce fails on purpose" in said

@@ -59,6 +59,10 @@ def test_the_straggler_sleeps_only_on_its_rank():
         ({"mode": "stale", "staleness": -1}, "staleness must be an integer ≥ 0, got -1"),
         ({"slow": {3: 1.2}}, "slow={3: 1.2}: give {rank: factor ≥ 1} for ranks 0…0"),
         ({"slow": {0: 0.5}}, "give {rank: factor ≥ 1}"),
+        ({"compensate": -1.0, "mode": "stale"}, "compensate is DC-ASGD's λ ≥ 0; got -1.0"),
+        ({"compensate": 0.5}, "compensate= corrects stale gradients: it needs mode='stale'"),
+        ({"clip": 0}, "clip is the largest gradient norm applied, > 0"),
+        ({"all_reduce": "nccl"}, "a compressor of ok.compression or a function; got 'nccl'"),
     ],
 )
 def test_bad_training_options_are_refused_clearly(kwargs, words):
@@ -79,3 +83,26 @@ def test_building_the_tasks_model_leaves_the_callers_random_numbers_alone():
     assert all(
         torch.equal(a, b) for a, b in zip(first.parameters(), again.parameters(), strict=True)
     )
+
+
+def test_compensation_moves_a_stale_gradient_by_lambda_g_squared_times_the_parameters_move():
+    from overlapkit.training import _compensated  # noqa: PLC0415
+
+    g = torch.tensor([1.0, -2.0, 0.5])
+    moved = torch.tensor([0.1, 0.1, -0.2])
+    assert torch.allclose(_compensated(g, 0.5, moved), g + 0.5 * g * g * moved)
+
+
+def test_clipping_bounds_the_applied_step_and_compensation_changes_only_stale_runs():
+    """On one rank: clip=1e-3 barely moves the model in 5 steps; λ = 0 is plain stale SGD;
+    λ > 0 trains differently once the first stale gradient is applied."""
+    task = Task()
+    plain = train(task, steps=5, mode="stale", staleness=2, eval_every=1)
+    zero = train(task, steps=5, mode="stale", staleness=2, eval_every=1, compensate=0.0)
+    assert plain.loss == zero.loss
+    comp = train(task, steps=5, mode="stale", staleness=2, eval_every=1, compensate=2.0)
+    assert comp.loss[:4] == plain.loss[:4]  # steps 1-2 apply nothing; step 3 nothing moved yet
+    assert comp.loss[4:] != plain.loss[4:]
+    clipped = train(task, steps=5, mode="sync", eval_every=5, clip=1e-3)
+    free = train(task, steps=5, mode="sync", eval_every=5)
+    assert abs(clipped.loss[-1] - clipped.loss[0]) < 0.1 * abs(free.loss[-1] - free.loss[0])
