@@ -121,22 +121,22 @@ def main(argv: list[str] | None = None) -> int:
     bf.add_argument("--reps", type=int, default=5)
     bf.add_argument("--warmup", type=int, default=2)
     bf.add_argument("--no-torch", action="store_true", help="skip torch's fully_shard")
-    bc = which.add_parser(
+    bz = which.add_parser(
         "compression", help="fp16, top-k and PowerSGD (with/without error feedback) vs plain"
     )
-    bc.add_argument("--steps", type=int, default=200)
-    bc.add_argument("--hidden", type=int, default=1024, help="the task's hidden width")
-    bc.add_argument("--batch", type=int, default=64, help="per rank")
-    bc.add_argument("--world-size", type=int, default=2)
-    bc.add_argument(
+    bz.add_argument("--steps", type=int, default=200)
+    bz.add_argument("--hidden", type=int, default=1024, help="the task's hidden width")
+    bz.add_argument("--batch", type=int, default=64, help="per rank")
+    bz.add_argument("--world-size", type=int, default=2)
+    bz.add_argument(
         "--link",
         default=None,
         help="LATENCY_US,BANDWIDTH_GBPS (default: sized so a plain AllReduce ≈ "
         "--comm-share × backward)",
     )
-    bc.add_argument("--comm-share", type=float, default=2.0)
-    bc.add_argument("--lr", type=float, default=0.05)
-    bc.add_argument("--configs", default=None, help="comma-separated (default: all)")
+    bz.add_argument("--comm-share", type=float, default=2.0)
+    bz.add_argument("--lr", type=float, default=0.05)
+    bz.add_argument("--configs", default=None, help="comma-separated (default: all)")
     bt = which.add_parser(
         "tp", help="decomposed AllGather-matmul and matmul-ReduceScatter vs serial, vs the model"
     )
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--transfer-share", type=float, default=1.0)
         p.add_argument("--reps", type=int, default=5)
         p.add_argument("--warmup", type=int, default=1)
-    for p in (bl, bc, bd, bp, bf, bt, bm):
+    for p in (bl, bc, bd, bp, bf, bz, bt, bm):
         p.add_argument("--csv", help="also write the rows to this CSV file")
         p.add_argument("--json", help="also write the rows to this JSON file")
 

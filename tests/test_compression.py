@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 import overlapkit as ok
 from overlapkit.compression import Half, PowerSGD, TopK, orthogonalize
+from tests.test_ddp import torch_ddp_backward_error
 
 # ------------------------------------------------------------------ one process
 
@@ -271,18 +272,7 @@ class _Failing(TopK):
         raise ValueError("this compressor fails on purpose")
 
 
-def _torch_ddp_step_with(compress):
-    from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
-
-    ddp = DistributedDataParallel(torch.nn.Linear(8, 8))
-    ddp.register_comm_hook(None, ok.ddp_comm_hook(compress=compress))
-    try:
-        ddp(torch.randn(4, 8)).sum().backward()
-    except Exception as exc:  # noqa: BLE001 - what the learner would see
-        return str(exc)
-    return "no error"
-
-
 def test_a_compressor_that_fails_inside_torchs_ddp_fails_its_backward_with_the_reason():
-    for said in ok.launch(_torch_ddp_step_with, _Failing(0.5), world_size=2, timeout=60):
+    told = ok.launch(torch_ddp_backward_error, compress=_Failing(0.5), world_size=2, timeout=60)
+    for said in told:
         assert "this compressor fails on purpose" in said

@@ -533,11 +533,13 @@ def _fails(tensor, group=None, async_op=True):
     return ok.collectives.run_async(boom, group)
 
 
-def _torch_ddp_with_a_failing_kit_hook():
+def torch_ddp_backward_error(**hook):
+    """What one backward of PyTorch's DDP through ``ok.ddp_comm_hook(**hook)`` raised, in
+    words ("no error" if nothing): also used by test_compression."""
     from torch.nn.parallel import DistributedDataParallel  # noqa: PLC0415
 
     ddp = DistributedDataParallel(torch.nn.Linear(8, 8))
-    ddp.register_comm_hook(None, ok.ddp_comm_hook(all_reduce=_fails))
+    ddp.register_comm_hook(None, ok.ddp_comm_hook(**hook))
     try:
         ddp(torch.randn(4, 8)).sum().backward()
     except Exception as exc:  # noqa: BLE001 - what the learner would see
@@ -548,5 +550,5 @@ def _torch_ddp_with_a_failing_kit_hook():
 def test_a_kit_collective_that_fails_inside_torchs_ddp_fails_its_backward_with_the_reason():
     """The hook's callback reads the result first: one that ignored it passed a failed
     reduction on to PyTorch as a finished one (the gradients left unreduced, no error)."""
-    for said in ok.launch(_torch_ddp_with_a_failing_kit_hook, world_size=2, timeout=60):
+    for said in ok.launch(torch_ddp_backward_error, all_reduce=_fails, world_size=2, timeout=60):
         assert "this all_reduce fails on purpose" in said
