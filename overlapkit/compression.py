@@ -53,6 +53,9 @@ class Compressor:
     then ``flat`` holds the average."""
 
     averages = True  # the wrappers must not divide by the world size again
+    #: whether ``_compressed_average`` returns what this rank dropped itself (else the
+    #: residual is worked out from a copy of the corrected gradient, taken only then)
+    returns_dropped = False
 
     def __init__(self, error_feedback: bool):
         self.error_feedback = bool(error_feedback)
@@ -105,7 +108,7 @@ class Compressor:
         start = time.perf_counter()
         if self.error_feedback and state[1] is not None:
             body.add_(state[1])
-        corrected = body.clone() if self.error_feedback else None
+        corrected = body.clone() if self.error_feedback and not self.returns_dropped else None
         self._spend(start)
         dropped = self._compressed_average(body, group, world, key, shapes)
         start = time.perf_counter()
@@ -152,6 +155,8 @@ class Half(Compressor):
     is the loss (its error feedback is the rounding error, off by default as in PyTorch's
     ``fp16_compress_hook``/``bf16_compress_hook``)."""
 
+    returns_dropped = True
+
     def __init__(self, dtype: torch.dtype = torch.float16, error_feedback: bool = False):
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"Half: dtype must be torch.float16 or torch.bfloat16; got {dtype}")
@@ -180,6 +185,8 @@ class TopK(Compressor):
     by index, then divides by N. Indices differ from rank to rank: each rank's travel with
     its values. With error feedback (on by default) the entries not sent wait in the
     residual until they are large enough to be."""
+
+    returns_dropped = True
 
     def __init__(self, fraction: float, error_feedback: bool = True):
         if (
