@@ -141,6 +141,35 @@ def test_each_typical_ring_mistake_is_named_by_the_check(mistake, world, expecte
     assert "SIGABRT" not in message and time.monotonic() - start < 12
 
 
+def test_a_rank_that_returns_before_its_unwaited_receive_landed_stays_for_its_peers():
+    """A receive posted and never waited is landed by the rank's inbox thread; a rank that
+    ended as soon as it returned left its peer's send waiting for a taker, so the check
+    named a hang, not the unwaited handle (one CI run in a few, loaded). Here the inbox
+    thread of rank 1 is made slow on purpose, so that rank returns first every time."""
+
+    def slow_inbox_then_ring(tensor):
+        import threading
+        import time as _time
+
+        from overlapkit import p2p
+
+        progress = p2p._SharedInbox.progress
+
+        def late(self, receive=None):  # rank 1's inbox thread lands 0.3 s late
+            if threading.current_thread().name == "overlapkit-inbox" and dist.get_rank():
+                _time.sleep(0.3)
+            progress(self, receive)
+
+        if not hasattr(progress, "late"):  # once: the check calls this for each size
+            late.late = True
+            p2p._SharedInbox.progress = late
+        student_ring(tensor, "wait on the first handle only")
+
+    report = ok.grading.check_all_reduce(slow_inbox_then_ring, world_sizes=(2,))
+    ((passed, message),) = report.cases
+    assert not passed and "never waited on 2 handle(s), first receive of" in message, message
+
+
 def test_calling_a_built_in_or_the_kit_collective_fails_a_from_scratch_exercise():
     report = ok.grading.check_all_reduce(uses_builtin, world_sizes=(2,))
     assert report.cases == [

@@ -276,7 +276,28 @@ def _recorded(fn_bytes: bytes, args_bytes: bytes, forbid: tuple = (), payloads: 
     # from here on this process opens no socket (a process group of the learner's own)
     nosockets.forbid_new_sockets()
     # nor a file the other ranks can read: the group's own store was such a channel
-    nofiles.seal_rank_files()
+    sealed = nofiles.seal_rank_files()
+    # without its store a rank would end as soon as it returns, and a message still on
+    # its way to it (a receive it posted but never waited, landed by its inbox thread)
+    # would leave the sender waiting for its taker until the check's timeout, so that
+    # the check named a hang, not the unwaited handle, one run in a few on a loaded
+    # machine: each rank stays until every peer has returned (made before the learner's
+    # function runs, told after it ends: outside anything a check counts)
+    peers = _peers_returned() if sealed else None
+    try:
+        return _run_recording(fn_bytes, args_bytes, forbid, payloads, mine)
+    finally:
+        if peers is not None:
+            peers.post(_rank(), {})
+
+
+def _peers_returned():
+    from .common import PeersReturned  # noqa: PLC0415 - common imports this module
+
+    return PeersReturned("recorded")
+
+
+def _run_recording(fn_bytes, args_bytes, forbid, payloads, mine):
     # checks run with the read guard on: a tensor read before its operation's wait()
     # holds NaN every time, so a race fails the check every run, not one run in ten
     # the answers are looked up before the recorder replaces any of them
