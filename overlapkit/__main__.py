@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         "compression", help="fp16, top-k and PowerSGD (with/without error feedback) vs plain"
     )
     bz.add_argument("--steps", type=int, default=200)
-    bz.add_argument("--hidden", type=int, default=1024, help="the task's hidden width")
+    bz.add_argument("--hidden", type=int, default=512, help="the task's hidden width")
     bz.add_argument("--batch", type=int, default=64, help="per rank")
     bz.add_argument("--world-size", type=int, default=2)
     bz.add_argument(
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         help="LATENCY_US,BANDWIDTH_GBPS (default: sized so a plain AllReduce ≈ "
         "--comm-share × backward)",
     )
-    bz.add_argument("--comm-share", type=float, default=2.0)
+    bz.add_argument("--comm-share", type=float, default=4.0)
     bz.add_argument("--lr", type=float, default=0.05)
     bz.add_argument("--configs", default=None, help="comma-separated (default: all)")
     bt = which.add_parser(

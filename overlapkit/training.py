@@ -58,13 +58,17 @@ POOL = 64  # batches of data per rank, made up front and cycled
 @dataclass
 class Task:
     """A regression task that trains in seconds: a student MLP learns a fixed random
-    teacher MLP from noisy samples."""
+    teacher MLP from noisy samples. ``outputs`` and ``teacher_hidden`` make it harder: a
+    teacher of many outputs gives gradients of high rank, which a compressor that drops
+    what it does not send (lab 13) learns visibly worse."""
 
     inputs: int = 32
     hidden: int = 64
     batch: int = 64
     noise: float = 0.05
     seed: int = 0
+    outputs: int = 1
+    teacher_hidden: int = 16
     teacher: torch.nn.Module = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -72,14 +76,15 @@ class Task:
         with torch.random.fork_rng():
             torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
             self.teacher = torch.nn.Sequential(
-                torch.nn.Linear(self.inputs, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
-            )
+                torch.nn.Linear(self.inputs, self.teacher_hidden), torch.nn.Tanh(),
+                torch.nn.Linear(self.teacher_hidden, self.outputs),
+            )  # fmt: skip
         self.eval_x, self.eval_y = self.batch_of(4096, torch.Generator().manual_seed(10**6))
 
     def batch_of(self, n: int, gen: torch.Generator):
         x = torch.randn(n, self.inputs, generator=gen)
         with torch.no_grad():
-            y = self.teacher(x) + self.noise * torch.randn(n, 1, generator=gen)
+            y = self.teacher(x) + self.noise * torch.randn(n, self.outputs, generator=gen)
         return x, y
 
     def model(self) -> torch.nn.Module:
@@ -93,7 +98,7 @@ class Task:
         return torch.nn.Sequential(
             torch.nn.Linear(self.inputs, self.hidden), torch.nn.Tanh(),
             torch.nn.Linear(self.hidden, self.hidden), torch.nn.Tanh(),
-            torch.nn.Linear(self.hidden, 1),
+            torch.nn.Linear(self.hidden, self.outputs),
         )  # fmt: skip
 
 

@@ -5,7 +5,7 @@ One launch on ``world`` ranks. The task is ``ok.training.Task`` with a wider stu
 (``hidden``): its gradients are n×m matrices PowerSGD can compress. Each rank first times
 a step's forward and backward alone; unless ``--link`` names one, the emulated link is
 then sized so that one plain ring AllReduce of every gradient takes ``--comm-share``
-(default 2) × that backward. Then each configuration trains ``steps`` synchronous steps
+(default 4) × that backward. Then each configuration trains ``steps`` synchronous steps
 from the same start on the same batches (``ok.training.train``, the whole gradient one
 bucket, averaged after backward):
 
@@ -52,6 +52,9 @@ KIND = {"none": "none", "fp16": "half", "bf16": "half", "topk 1%": "topk",
         "powersgd r4 no EF": "powersgd"}  # fmt: skip
 SETTINGS = {"topk": {"fraction": 0.01}, "powersgd": {"rank": 4}}
 ALPHA = 100e-6  # the link's latency when the bench sizes it
+#: lab 13's task: a teacher of 16 outputs gives high-rank gradients, so that what a
+#: compressor drops shows in the loss (with one output, every compressor learns alike)
+TASK = {"outputs": 16, "teacher_hidden": 64}
 
 
 def _time_compute(task: Task, reps: int = 9) -> tuple[float, float]:
@@ -83,7 +86,7 @@ def _size_link(backward: float, nbytes: int, world: int, share: float) -> p2p.Li
 
 def _rank_bench(configs, steps, hidden, batch, share, lr, progress):
     world = runtime.world_size()
-    task = Task(hidden=hidden, batch=batch)
+    task = Task(hidden=hidden, batch=batch, **TASK)
     shapes = [tuple(p.shape) for p in task.model().parameters()]
     nbytes = sum(torch.Size(s).numel() for s in shapes) * 4
     timed = [None] * world
@@ -117,8 +120,8 @@ def _rank_bench(configs, steps, hidden, batch, share, lr, progress):
     return {"out": out, "shapes": shapes, "link": link, "compute": (forward, backward)}
 
 
-def run(steps: int = 200, hidden: int = 1024, batch: int = 64, world: int = 2, link=None,
-        comm_share: float = 2.0, lr: float = 0.05, configs=tuple(CONFIGS), csv_path=None,
+def run(steps: int = 200, hidden: int = 512, batch: int = 64, world: int = 2, link=None,
+        comm_share: float = 4.0, lr: float = 0.05, configs=tuple(CONFIGS), csv_path=None,
         json_path=None) -> list[dict]:  # fmt: skip
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
@@ -135,8 +138,8 @@ def run(steps: int = 200, hidden: int = 1024, batch: int = 64, world: int = 2, l
     plain = costmodel.compressed_all_reduce("none", shapes, world, link.alpha, link.beta)
     mib = sum(torch.Size(s).numel() for s in shapes) * 4 / 2**20
     print(
-        f"model: Task(hidden={hidden}) MLP, {mib:.2f} MiB of gradients, batch {batch} per "
-        f"rank, {world} ranks, {steps} steps; {link}: one "
+        f"model: Task(hidden={hidden}, outputs={TASK['outputs']}) MLP, {mib:.2f} MiB of "
+        f"gradients, batch {batch} per rank, {world} ranks, {steps} steps; {link}: one "
         f"plain AllReduce {plain['time'] * 1e3:.1f} ms, forward {forward * 1e3:.1f} ms, "
         f"backward {backward * 1e3:.1f} ms"
     )
