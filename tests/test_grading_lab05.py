@@ -273,6 +273,27 @@ def comm_span_as_a_with_block(grad, compute, timeline):
     return out
 
 
+def comm_span_opened_early_until_wait(grad, compute, timeline):
+    # as the with block on a loaded machine: the op issued 20 ms after the span opened
+    start = timeline.now()
+    time.sleep(0.02)
+    handle = ok.ring_all_reduce(grad, async_op=True)
+    with timeline.span("compute"):
+        out = compute()
+    handle.wait()
+    timeline.add("all-reduce", start, timeline.now(), "comm")
+    return out
+
+
+def test_a_span_up_to_wait_is_named_for_its_end_however_late_the_op_was_issued():
+    """Fresh-clone run 50 (CPU hog): a `with` span around the call and wait() started 8.7 ms
+    before the loaded machine issued the op, and the check named the start instead of the
+    wait(). The end is judged first now."""
+    report = ok.grading.check_timed_step(comm_span_opened_early_until_wait)
+    assert verdicts(report) == [True] * 3 + [False], report.cases
+    assert "when wait() returned" in failure(report), failure(report)
+
+
 def comm_span_until_compute_returned(grad, compute, timeline):
     start = timeline.now()
     handle = ok.ring_all_reduce(grad, async_op=True)

@@ -643,16 +643,21 @@ def _timeline_case(report: Report, results) -> None:
         # beside a hog) while the op's worker starts: a span begun before compute() was
         # called is tracked in time; a late track() begins after compute() ran
         latest = max(returned + tol + copy_s, c_start + tol)
-        if not issued - tol <= m_start <= latest and abs(m_start - call["began"]) > tol:
+        off = not issued - tol <= m_start <= latest and abs(m_start - call["began"]) > tol
+        # a span that starts late (tracked after compute()) is named for its start; one
+        # opened before the call and closed at wait() for its end: its start is early by
+        # however long the loaded machine took to issue the op (8.7 ms beside a CPU hog
+        # in fresh-clone run 50), and the wait() is the mistake, named alike on any load
+        problem = _comm_end_problem(seen, call, (c_start, c_end), (m_start, m_end), tol)
+        if problem and not (off and m_start > latest):
+            report.fail(f"rank {rank}: {problem}")
+            return
+        if off:
             report.fail(
                 f"rank {rank}: your comm span starts at {_ms(m_start)}, but the AllReduce "
                 f"was started at {_ms(issued)}: call timeline.track(...) on the handle as "
                 "soon as ok.ring_all_reduce returns it"
             )
-            return
-        problem = _comm_end_problem(seen, call, (c_start, c_end), (m_start, m_end), tol)
-        if problem:
-            report.fail(f"rank {rank}: {problem}")
             return
     report.ok(
         "the timeline shows the AllReduce on the comm lane from its start to its true end, "
