@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         help="LATENCY_US,BANDWIDTH_GBPS (default: sized so a plain AllReduce ≈ "
         "--comm-share × backward)",
     )
-    bz.add_argument("--comm-share", type=float, default=4.0)
+    bz.add_argument("--comm-share", type=float, default=16.0)
     bz.add_argument("--lr", type=float, default=0.05)
     bz.add_argument("--configs", default=None, help="comma-separated (default: all)")
     bt = which.add_parser(

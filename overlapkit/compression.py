@@ -39,7 +39,7 @@ import torch.distributed as dist
 from . import collectives, costmodel
 from .collectives import ring_all_gather, ring_all_reduce
 
-__all__ = ["Compressor", "Half", "TopK", "PowerSGD", "orthogonalize"]
+__all__ = ["Compressor", "Half", "TopK", "PowerSGD", "FromFunction", "orthogonalize"]
 
 
 class Compressor:
@@ -366,6 +366,46 @@ class PowerSGD(Compressor):
             at += views[i].numel()
         self._spend(start)
         return None
+
+
+class FromFunction(Compressor):
+    """A compressor made of a function ``fn(flat, residual, fraction) -> new residual``
+    that averages ``flat`` over the ranks in place (lab 13's ``topk_with_feedback``), so
+    that a learner's top-k trains through the wrappers and ``ok.training.train`` like the
+    kit's. It keeps each bucket's residual (zeros at first) and passes it in; what the
+    function sends is its own business, so :attr:`stats` counts no bytes (the kit's
+    :class:`TopK` with the same fraction sends the same)."""
+
+    def __init__(self, fn, fraction: float):
+        if not callable(fn):
+            raise TypeError(f"FromFunction: fn must be a function; got {_what(fn)}")
+        super().__init__(error_feedback=True)
+        self.fn, self.fraction = fn, fraction
+
+    def _args(self) -> str:
+        return f"fn={getattr(self.fn, '__name__', self.fn)!r}, fraction={self.fraction:g}"
+
+    def _average_bucket(self, flat, group, key, shapes, exact_tail) -> None:
+        world = dist.get_world_size(group)
+        body, tail = flat[: flat.numel() - exact_tail], flat[flat.numel() - exact_tail :]
+        if tail.numel():
+            self._all_reduce(tail, group, world)
+            tail.div_(world)
+        signature = tuple(tuple(s) for s in shapes)
+        state = self.residuals.get(key)
+        if state is None or state[0] != signature:  # new, or the wrapper rebuilt its buckets
+            state = self.residuals[key] = [signature, torch.zeros_like(body)]
+        start = time.perf_counter()
+        returned = self.fn(body, state[1], self.fraction)
+        self._spend(start)  # the whole function: its compute and its waits alike
+        if not isinstance(returned, torch.Tensor) or returned.shape != body.shape:
+            raise TypeError(
+                f"FromFunction: {self._args()} returned {_what(returned)}; it must return "
+                f"the new residual, a tensor of the bucket's shape {tuple(body.shape)}"
+            )
+        state[1] = returned.detach()
+        self.stats["steps"] += 1
+        self.stats["elements_in"] += body.numel()
 
 
 def _what(x) -> str:

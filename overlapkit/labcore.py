@@ -139,6 +139,13 @@ def _lab12(world):
     return None, None
 
 
+def _lab13(world):
+    from .bench.compression import run  # noqa: PLC0415
+
+    run(steps=100, world=max(world, 2))
+    return None, None
+
+
 LABS = {
     "00": ("ping-pong and the α-β fit", _lab00),
     "01": ("the kit's collectives: time and busbw", _lab01_03),
@@ -153,6 +160,7 @@ LABS = {
     "10": ("data-parallel steps to tune", _lab05_07),
     "11": ("decomposed tensor-parallel matmuls and the pipelined MoE", _lab11),
     "12": ("fully sharded steps: no, implicit and explicit prefetch, against DDP", _lab12),
+    "13": ("compressed gradient averaging: fp16, top-k and PowerSGD, against plain", _lab13),
 }
 
 

@@ -5,8 +5,9 @@ One launch on ``world`` ranks. The task is ``ok.training.Task`` with a wider stu
 (``hidden``): its gradients are n×m matrices PowerSGD can compress. Each rank first times
 a step's forward and backward alone; unless ``--link`` names one, the emulated link is
 then sized so that one plain ring AllReduce of every gradient takes ``--comm-share``
-(default 4) × that backward. Then each configuration trains ``steps`` synchronous steps
-from the same start on the same batches (``ok.training.train``, the whole gradient one
+(default 16, about 8 × forward and backward) × that backward: communication dominates the
+step, as where compression is used. Then each configuration trains ``steps`` synchronous
+steps from the same start on the same batches (``ok.training.train``, the whole gradient one
 bucket, averaged after backward):
 
 * ``none``: the ring AllReduce; ``fp16``/``bf16``: ``Half``;
@@ -121,7 +122,7 @@ def _rank_bench(configs, steps, hidden, batch, share, lr, progress):
 
 
 def run(steps: int = 200, hidden: int = 512, batch: int = 64, world: int = 2, link=None,
-        comm_share: float = 4.0, lr: float = 0.05, configs=tuple(CONFIGS), csv_path=None,
+        comm_share: float = 16.0, lr: float = 0.05, configs=tuple(CONFIGS), csv_path=None,
         json_path=None) -> list[dict]:  # fmt: skip
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:

@@ -15,6 +15,7 @@ from .lab09 import check_average_parameters
 from .lab10 import check_tuning
 from .lab11 import check_ag_matmul, check_chunked_moe
 from .lab12 import check_fsdp_plan
+from .lab13 import check_topk_with_feedback
 from .pipeline import check_1f1b_schedule, check_gpipe_step
 from .report import Report
 
@@ -41,6 +42,7 @@ POINTS = {
     "check_ag_matmul": 4,
     "check_chunked_moe": 5,
     "check_fsdp_plan": 5,
+    "check_topk_with_feedback": 5,
 }
 
 __all__ = [
@@ -66,4 +68,5 @@ __all__ = [
     "check_ag_matmul",
     "check_chunked_moe",
     "check_fsdp_plan",
+    "check_topk_with_feedback",
 ]

@@ -1,0 +1,372 @@
+"""Check for lab 13: top-k sparsification with error feedback, one bucket, several steps.
+
+The learner's ``topk_with_feedback(flat, residual, fraction)`` runs on every rank: it
+adds the rank's residual to its gradient (``corrected``), picks the k = round(fraction ·
+numel) entries of largest magnitude (at least one), all-gathers every rank's values and
+indices with the kit's ``ok.ring_all_gather``, writes the average into ``flat`` (each
+value added at its own index, the sum divided by N) and returns the new residual, what
+this rank did not send (``corrected`` with its sent entries zeroed)::
+
+    rank r:  corrected = flat + residual ─ top-k by |·| ─► (values_r, index_r)
+             all-gather (values, index) of every rank        N·k values, N·k indices
+             flat = Σ_r scatter(values_r at index_r) / N      the same on every rank
+             return corrected with index_r set to 0           next step's residual
+
+Two cases, 2 ranks and 3, sizes where k = round(f·n) differs from ⌊f·n⌋, three steps
+each with the residual carried (the rank passes back what the function returned). Every
+rank's gradients come from a seed the checking process draws and gives to that rank
+alone, so no rank can rebuild another's; the reference is worked out in the checking
+process. A wrong ``flat`` or residual is named by what it is (summed, by value not
+magnitude, k off by one or a fraction, the rank's own indices under the others' values,
+residual ignored / not updated / negated / not zeroed where sent / made of the average),
+and what each rank put into collectives a step must be what top-k sends, not the whole
+gradient.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+
+from .. import handles
+from ..costmodel import top_k_count
+from . import answers
+from .common import run_or_report, worst_element
+from .report import Report
+from .traffic import shown
+
+STEPS = 3
+#: (ranks, elements, fraction): round(f·n) ≠ ⌊f·n⌋ in both (1070 · 1% = 10.7, 333 · 5% = 16.65)
+CASES = ((2, 1070, 0.01), (3, 333, 0.05))
+_GATHER = "ok.ring_all_gather"
+
+
+def _gradients(seed: int, numel: int) -> list[torch.Tensor]:
+    """A rank's gradients, step by step: entries of both signs and varied sizes, so the
+    largest by value and by magnitude differ."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(numel, generator=gen) * (1 + 3 * torch.rand(numel, generator=gen))
+            for _ in range(STEPS)]  # fmt: skip
+
+
+def _run(topk_with_feedback, numel, fraction, seed):
+    """On each rank: its own gradients (from ``seed``, this rank's alone), the residual it
+    returned carried to the next step. Records what the function left and returned."""
+    grads = _gradients(seed, numel)
+    del seed
+    residual = torch.zeros(numel)
+    steps = []
+    for grad in grads:
+        flat = grad.clone()
+        given = residual.clone()
+        with torch.no_grad():
+            returned = topk_with_feedback(flat, residual, fraction)
+        record = {"flat": flat.clone(), "unwaited": handles.take_unwaited()}
+        if isinstance(returned, torch.Tensor) and returned.shape == flat.shape:
+            record["residual"] = returned.detach().clone()
+            residual = returned.detach()
+        else:
+            record["residual"] = _describe(returned)
+        record["given"] = given
+        steps.append(record)
+        if isinstance(record["residual"], str):
+            break
+    return steps
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    return "None" if x is None else f"a {type(x).__name__}"
+
+
+# --------------------------------------------------------------------------- the reference
+
+
+def _top(corrected: torch.Tensor, k: int, by_value: bool = False) -> torch.Tensor:
+    return (corrected if by_value else corrected.abs()).topk(k).indices
+
+
+def _sparse(corrected: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(corrected)
+    out[index] = corrected[index]
+    return out
+
+
+def _kept(corrected: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    out = corrected.clone()
+    out[index] = 0
+    return out
+
+
+def _averages(corrected: list[torch.Tensor], k: int, by_value: bool = False) -> torch.Tensor:
+    return torch.stack([_sparse(c, _top(c, k, by_value)) for c in corrected]).mean(0)
+
+
+def _close(a, b) -> bool:
+    return (
+        isinstance(a, torch.Tensor)
+        and a.shape == b.shape
+        and bool(torch.allclose(a, b, rtol=1e-5, atol=1e-5))
+    )
+
+
+def _flat_hint(got, rank, grads, given, k, numel, fraction, world, t) -> str:
+    """What the learner's ``flat`` on ``rank`` is, when it is not the average."""
+    corrected = [g + r for g, r in zip(grads, given, strict=True)]
+    right = _averages(corrected, k)
+    if world > 1 and _close(got, right * world):
+        return (
+            f" That is the sum over the {world} ranks, not the average: divide the "
+            f"scattered values by the world size (ok.world_size()), as an AllReduce with "
+            "op='avg' would."
+        )
+    if _close(got, _averages(corrected, k, by_value=True)):
+        return (
+            " Those are the k largest entries by *value*: the most negative entries matter "
+            "as much as the most positive ones. Rank by magnitude: corrected.abs().topk(k)."
+        )
+    for other in {int(fraction * numel), k - 1, k + 1, 0}:
+        if other >= 1 and other != k and _close(got, _averages(corrected, other)):
+            how = "⌊f·n⌋, rounded down" if other == int(fraction * numel) else f"{other}"
+            return (
+                f" That is the average of every rank's top {other} ({how}); k is the fraction "
+                f"as a count, rounded and at least 1: max(1, round({fraction} · {numel})) = "
+                f"{k} entries per rank."
+            )
+    if t > 0:
+        plain = [g.clone() for g in grads]
+        if _close(got, _averages(plain, k)):
+            return (
+                " That is the average of the top-k of the gradients alone: the residual "
+                "passed in (what this rank did not send last step) was never added. Error "
+                "feedback starts from corrected = flat + residual."
+            )
+        minus = [g - r for g, r in zip(grads, given, strict=True)]
+        if _close(got, _averages(minus, k)):
+            return (
+                " That adds the residual with the wrong sign (flat − residual): the residual "
+                "is what was left out, so it is added back, corrected = flat + residual."
+            )
+    if world > 1:
+        index = _top(corrected[rank], k)
+        if bool((got[~_mask(index, numel)].abs() <= 1e-7).all()) and not _close(got, right):
+            return (
+                f" It is non-zero only at the {k} positions rank {rank} chose itself: the "
+                "other ranks' values were put at this rank's indices. Each rank picks its "
+                "own positions; gather the indices with the values and add each value at "
+                "its own rank's index."
+            )
+        if _close(got, corrected[rank]) or _close(got, grads[rank]):
+            return (
+                " That is this rank's own gradient, unchanged: flat must end holding the "
+                "average of every rank's top-k, written into it in place (flat.zero_(), "
+                "then index_add_; binding the name to a new tensor does not change the "
+                "caller's)."
+            )
+        if _close(got, _sparse(corrected[rank], index)) or _close(
+            got, _sparse(corrected[rank], index) / world
+        ):
+            return (
+                f" That is rank {rank}'s own top-k only: the other ranks' entries never "
+                "arrived. All-gather every rank's values and indices and add them all."
+            )
+    if _close(got, torch.stack(corrected).mean(0)):
+        return (
+            " That is the plain average of the whole gradients: nothing was dropped, so "
+            "nothing was compressed."
+        )
+    return ""
+
+
+def _mask(index: torch.Tensor, numel: int) -> torch.Tensor:
+    mask = torch.zeros(numel, dtype=torch.bool)
+    mask[index] = True
+    return mask
+
+
+def _residual_hint(got, rank, grads, given, k, world, t) -> str:
+    corrected = grads[rank] + given[rank]
+    index = _top(corrected, k)
+    right = _kept(corrected, index)
+    if got is None or isinstance(got, str):
+        return ""
+    if _close(got, -right):
+        return (
+            " That is the residual with the wrong sign (what was sent minus the corrected "
+            "gradient): keep corrected − sent, which is positive where the gradient was "
+            "positive, so that adding it back next step restores what was left out."
+        )
+    if bool((got == 0).all()):
+        return (
+            " It is all zeros: no error feedback. What this rank did not send is the "
+            "residual; drop it and those entries are lost for good."
+        )
+    if t > 0 and _close(got, given[rank]):
+        return (
+            " That is the residual passed in, unchanged: it must be updated every step, "
+            "to what this step did not send."
+        )
+    if _close(got, corrected):
+        return (
+            " The entries this rank sent are still in it: set them to zero (they were "
+            "delivered), or they would be sent again next step."
+        )
+    if t > 0 and _close(got, _kept(grads[rank], index)):
+        return (
+            " That leaves out the old residual: the new residual is what remains of "
+            "corrected = flat + residual, not of the gradient alone."
+        )
+    average = _averages([g + r for g, r in zip(grads, given, strict=True)], k)
+    if world > 1 and (_close(got, corrected - average) or _close(got, corrected - average * world)):
+        return (
+            " That is corrected − the average: the other ranks' entries leaked into this "
+            "rank's residual. The residual is what *this* rank did not send: corrected with "
+            "its own sent entries set to zero."
+        )
+    return ""
+
+
+# --------------------------------------------------------------------------- judging
+
+
+def _judge(report: Report, what: str, results, seeds, numel, fraction) -> bool:
+    world = len(seeds)
+    k = top_k_count(numel, fraction)
+    grads = [_gradients(seed, numel) for seed in seeds]
+    for rank, (steps, _) in enumerate(results):
+        unwaited = [u for s in steps for u in s["unwaited"]]
+        if unwaited:
+            nan = any(bool(s["flat"].isnan().any()) for s in steps)
+            read = (
+                "; flat then held NaN (the check poisons an operation's output until its "
+                "wait() returns, so a NaN is a value read before its wait)"
+                if nan
+                else ""
+            )
+            report.fail(
+                f"{what}: rank {rank} never waited for {len(unwaited)} operation(s), e.g. "
+                f"{unwaited[0]}{read}: call .wait() on every handle before reading what it "
+                "delivers, and before returning"
+            )
+            return False
+    for t in range(STEPS):
+        given = [steps[t]["given"] for steps, _ in results]
+        step_grads = [g[t] for g in grads]
+        corrected = [g + r for g, r in zip(step_grads, given, strict=True)]
+        want = _averages(corrected, k)
+        for rank, (steps, _) in enumerate(results):
+            got = steps[t]["flat"]
+            i = worst_element((got - want).abs())
+            if i is not None:
+                if got.isnan().any():
+                    hint = (
+                        " NaN: the check poisons a kit operation's output until its wait() "
+                        "returns, so a NaN is a gathered value read before its wait()."
+                    )
+                else:
+                    hint = _flat_hint(got, rank, step_grads, given, k, numel, fraction, world, t)
+                report.fail(
+                    f"{what}: after step {t + 1}, rank {rank}'s flat[{i}] is "
+                    f"{got[i].item():.6g}; the average of every rank's top-{k} gives "
+                    f"{want[i].item():.6g}.{hint}"
+                )
+                return False
+        for rank, (steps, _) in enumerate(results):
+            got = steps[t]["residual"]
+            right = _kept(corrected[rank], _top(corrected[rank], k))
+            if isinstance(got, str):
+                report.fail(
+                    f"{what}: at step {t + 1}, rank {rank}'s function returned {got}: return "
+                    f"the new residual, a tensor of flat's shape ({numel},): corrected with "
+                    "the entries this rank sent set to zero"
+                )
+                return False
+            i = worst_element((got - right).abs())
+            if i is not None:
+                hint = _residual_hint(got, rank, step_grads, given, k, world, t)
+                report.fail(
+                    f"{what}: after step {t + 1}, rank {rank}'s returned residual[{i}] is "
+                    f"{got[i].item():.6g}; what the rank did not send is "
+                    f"{right[i].item():.6g}.{hint}"
+                )
+                return False
+    return True
+
+
+def _communication(report: Report, what: str, results, numel: int, fraction: float) -> bool:
+    k = top_k_count(numel, fraction)
+    budget = 16 * k  # k float32 values and k int64 indices are 12k; some slack for types
+    for rank, (_, traffic) in enumerate(results):
+        other = sorted({shown(c) for c in traffic.collectives if c != _GATHER})
+        if traffic.direct or other:
+            used = ", ".join(sorted(set(traffic.direct) | set(other)))
+            if "all_reduce" in used:
+                report.fail(
+                    f"{what}: rank {rank} called {used}: an AllReduce of a dense vector sends "
+                    f"2(N−1)/N · {4 * numel} bytes, zeros and all, whatever top-k chose; "
+                    f"gather only the {k} values and {k} indices with {_GATHER}"
+                )
+                return False
+            report.fail(
+                f"{what}: rank {rank} called {used}: exchange the values and indices with "
+                f"the kit's {_GATHER} (its bytes are what this lab counts, and only the "
+                "kit's messages travel over the emulated link)"
+            )
+            return False
+        put = sum(n for c, n in traffic.collective_bytes if c == _GATHER) / STEPS
+        if put > budget:
+            report.fail(
+                f"{what}: rank {rank} put {put:.0f} bytes a step into {_GATHER}; top-{k} "
+                f"sends k values and k indices, {12 * k} bytes (float32 and int64). The "
+                f"whole gradient is {4 * numel} bytes: gathering it and choosing afterwards "
+                "compresses nothing. Gather only the chosen values and their indices."
+            )
+            return False
+        if put == 0:
+            report.fail(f"{what}: rank {rank} gathered nothing with {_GATHER}")
+            return False
+    return True
+
+
+def check_topk_with_feedback(topk_with_feedback, timeout: float = 60.0) -> Report:
+    """Check ``topk_with_feedback(flat, residual, fraction) -> new residual`` on 2 and 3
+    ranks, three steps each (see the module docstring)."""
+    report = Report("topk_with_feedback")
+    for world, numel, fraction in CASES:
+        k = top_k_count(numel, fraction)
+        what = f"{world} ranks, {numel} elements, fraction {fraction:g} (k = {k})"
+        seeds = [secrets.randbits(62) for _ in range(world)]
+        results = run_or_report(report, what, _run, topk_with_feedback, numel, fraction,
+                                world_size=world, timeout=timeout, explain=_explain,
+                                forbid=answers.of("check_topk_with_feedback"),
+                                rank_kwargs=[{"seed": s} for s in seeds])  # fmt: skip
+        if results is None:
+            return report
+        if not _judge(report, what, results, seeds, numel, fraction):
+            return report
+        if not _communication(report, what, results, numel, fraction):
+            return report
+        report.ok(
+            f"{what}: {STEPS} steps, every rank's average and residual right; each rank "
+            f"gathered {k} values and {k} indices a step"
+        )
+    return report
+
+
+def _explain(text: str) -> str:
+    if "topk" in text and ("must be int" in text or "float" in text):
+        return (
+            " — topk() takes a count: the fraction of the bucket's elements, rounded, "
+            "k = max(1, round(fraction · flat.numel()))"
+        )
+    if "selected index k out of range" in text:
+        return " — k is larger than the bucket: k = max(1, round(fraction · flat.numel()))"
+    if "ring_all_gather" in text and ("size" in text or "shape" in text):
+        return (
+            " — ok.ring_all_gather(output, input) needs output to hold N × input's elements, "
+            "of input's dtype: torch.empty(world * k) for the values, "
+            "torch.empty(world * k, dtype=torch.int64) for the indices"
+        )
+    return ""

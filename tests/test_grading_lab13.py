@@ -1,0 +1,271 @@
+"""Lab 13's check: honest top-k with error feedback passes (sync or async gathers, other
+spellings), every typical mistake fails with a message that names it, and the kit's own
+TopK under another name is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import overlapkit as ok
+
+# ------------------------------------------------------------------ honest
+
+
+def topk_right(flat, residual, fraction):
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    index = corrected.abs().topk(k).indices
+    values = corrected[index]
+    world = ok.world_size()
+    all_values = torch.empty(world * k)
+    all_index = torch.empty(world * k, dtype=torch.int64)
+    ok.ring_all_gather(all_values, values)
+    ok.ring_all_gather(all_index, index)
+    new_residual = corrected.clone()
+    new_residual[index] = 0
+    flat.zero_()
+    flat.index_add_(0, all_index, all_values)
+    flat /= world
+    return new_residual
+
+
+def topk_async_in_place(flat, residual, fraction):
+    """In place on the residual, async gathers waited, k from the kit's cost model."""
+    residual += flat
+    k = ok.costmodel.top_k_count(flat.numel(), fraction)
+    _, index = torch.topk(residual.abs(), k, sorted=False)
+    values = residual[index].clone()
+    residual[index] = 0.0
+    n = ok.world_size()
+    vals, idx = torch.zeros(n * k), torch.zeros(n * k, dtype=torch.long)
+    h1 = ok.ring_all_gather(vals, values, async_op=True)
+    h2 = ok.ring_all_gather(idx, index, async_op=True)
+    h1.wait()
+    h2.wait()
+    flat.fill_(0).scatter_add_(0, idx, vals / n)
+    return residual
+
+
+@pytest.mark.parametrize("fn", [topk_right, topk_async_in_place])
+def test_the_check_passes_honest_top_k_with_feedback(fn):
+    report = ok.grading.check_topk_with_feedback(fn)
+    assert report.all_passed, report.cases
+    assert report.total == 2
+
+
+# ------------------------------------------------------------------ mistakes
+
+
+def _gather(values, index):
+    world = ok.world_size()
+    k = values.numel()
+    all_values = torch.empty(world * k, dtype=values.dtype)
+    all_index = torch.empty(world * k, dtype=torch.int64)
+    ok.ring_all_gather(all_values, values)
+    ok.ring_all_gather(all_index, index)
+    return all_values, all_index
+
+
+def no_feedback(flat, residual, fraction):
+    k = max(1, round(fraction * flat.numel()))
+    index = flat.abs().topk(k).indices
+    all_values, all_index = _gather(flat[index].clone(), index)
+    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
+    return torch.zeros_like(flat)
+
+
+def residual_ignored_but_updated(flat, residual, fraction):
+    k = max(1, round(fraction * flat.numel()))
+    index = flat.abs().topk(k).indices
+    new = flat.clone()
+    new[index] = 0
+    all_values, all_index = _gather(flat[index].clone(), index)
+    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
+    return new
+
+
+def residual_wrong_sign(flat, residual, fraction):
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    index = corrected.abs().topk(k).indices
+    sent = torch.zeros_like(corrected)
+    sent[index] = corrected[index]
+    all_values, all_index = _gather(corrected[index].clone(), index)
+    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
+    return sent - corrected
+
+
+def residual_not_updated(flat, residual, fraction):
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    index = corrected.abs().topk(k).indices
+    all_values, all_index = _gather(corrected[index].clone(), index)
+    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
+    return corrected  # the sent entries are still in it
+
+
+def residual_of_the_average(flat, residual, fraction):
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    index = corrected.abs().topk(k).indices
+    all_values, all_index = _gather(corrected[index].clone(), index)
+    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
+    return corrected - flat
+
+
+def k_rounded_down(flat, residual, fraction):
+    corrected = flat + residual
+    k = int(fraction * flat.numel())
+    index = corrected.abs().topk(k).indices
+    new = corrected.clone()
+    new[index] = 0
+    all_values, all_index = _gather(corrected[index].clone(), index)
+    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
+    return new
+
+
+def k_as_the_fraction(flat, residual, fraction):
+    corrected = flat + residual
+    index = corrected.abs().topk(fraction).indices
+    new = corrected.clone()
+    new[index] = 0
+    all_values, all_index = _gather(corrected[index].clone(), index)
+    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
+    return new
+
+
+def top_by_value(flat, residual, fraction):
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    index = corrected.topk(k).indices
+    new = corrected.clone()
+    new[index] = 0
+    all_values, all_index = _gather(corrected[index].clone(), index)
+    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
+    return new
+
+
+def summed(flat, residual, fraction):
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    index = corrected.abs().topk(k).indices
+    new = corrected.clone()
+    new[index] = 0
+    all_values, all_index = _gather(corrected[index].clone(), index)
+    flat.zero_().index_add_(0, all_index, all_values)
+    return new
+
+
+def own_indices_for_everyone(flat, residual, fraction):
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    index = corrected.abs().topk(k).indices
+    new = corrected.clone()
+    new[index] = 0
+    world = ok.world_size()
+    all_values = torch.empty(world * k)
+    ok.ring_all_gather(all_values, corrected[index].clone())
+    flat.zero_()
+    for values in all_values.view(world, k):
+        flat[index] += values / world
+    return new
+
+
+def dense_all_reduce(flat, residual, fraction):
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    index = corrected.abs().topk(k).indices
+    sparse = torch.zeros_like(corrected)
+    sparse[index] = corrected[index]
+    new = corrected - sparse
+    ok.ring_all_reduce(sparse, op="avg")
+    flat.copy_(sparse)
+    return new
+
+
+def gather_everything_then_choose(flat, residual, fraction):
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    world = ok.world_size()
+    everyone = torch.empty(world * flat.numel())
+    ok.ring_all_gather(everyone, corrected)
+    flat.zero_()
+    for c in everyone.view(world, -1):
+        index = c.abs().topk(k).indices
+        flat[index] += c[index] / world
+    index = corrected.abs().topk(k).indices
+    new = corrected.clone()
+    new[index] = 0
+    return new
+
+
+def builtin_gather(flat, residual, fraction):
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    index = corrected.abs().topk(k).indices
+    world = dist.get_world_size()
+    values = [torch.empty(k) for _ in range(world)]
+    indices = [torch.empty(k, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(values, corrected[index].clone())
+    dist.all_gather(indices, index)
+    flat.zero_().index_add_(0, torch.cat(indices), torch.cat(values)).div_(world)
+    new = corrected.clone()
+    new[index] = 0
+    return new
+
+
+def gather_not_waited(flat, residual, fraction):
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    index = corrected.abs().topk(k).indices
+    world = ok.world_size()
+    all_values = torch.empty(world * k)
+    all_index = torch.empty(world * k, dtype=torch.int64)
+    ok.ring_all_gather(all_values, corrected[index].clone(), async_op=True)
+    ok.ring_all_gather(all_index, index)
+    flat.zero_().index_add_(0, all_index, all_values).div_(world)
+    new = corrected.clone()
+    new[index] = 0
+    return new
+
+
+def returns_nothing(flat, residual, fraction):
+    topk_right(flat, residual, fraction)
+
+
+def kit_top_k_renamed(flat, residual, fraction):
+    squeeze = ok.compression.TopK(fraction)
+    squeeze.residuals[0] = [((flat.numel(),),), residual.clone()]
+    squeeze(flat, async_op=False)
+    return squeeze.residuals[0][1]
+
+
+MISTAKES = {
+    no_feedback: "all zeros: no error feedback",
+    residual_ignored_but_updated: "the residual passed in (what this rank did not send last "
+    "step) was never added",
+    residual_wrong_sign: "wrong sign",
+    residual_not_updated: "still in it: set them to zero",
+    residual_of_the_average: "the other ranks' entries leaked into this rank's residual",
+    k_rounded_down: "top 10 (⌊f·n⌋, rounded down)",
+    k_as_the_fraction: "topk() takes a count",
+    top_by_value: "largest entries by *value*",
+    summed: "the sum over the 2 ranks, not the average",
+    own_indices_for_everyone: "the other ranks' values were put at this rank's indices",
+    dense_all_reduce: "an AllReduce of a dense vector sends",
+    gather_everything_then_choose: "compresses nothing",
+    builtin_gather: "called torch.distributed.all_gather",
+    gather_not_waited: "never waited for 3 operation(s)",
+    returns_nothing: "returned None: return the new residual",
+    kit_top_k_renamed: "TopK",
+}
+
+
+@pytest.mark.parametrize("fn", list(MISTAKES), ids=[f.__name__ for f in MISTAKES])
+def test_each_typical_top_k_mistake_is_named_by_the_check(fn):
+    report = ok.grading.check_topk_with_feedback(fn)
+    assert not report.all_passed
+    said = " ".join(text for passed, text in report.cases if not passed)
+    assert MISTAKES[fn] in said, said
