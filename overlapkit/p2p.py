@@ -976,7 +976,21 @@ def irecv(tensor: torch.Tensor, src: int, group=None):
     return _irecv(tensor, src, group, _link)
 
 
+#: bytes this process has handed to :func:`_isend` (every message of the kit and of its
+#: users, not the collectives' announcements), as stored: a tensor subclass cannot say
+#: it is smaller
+_sent_bytes = [0]
+
+
+def bytes_sent() -> int:
+    """The bytes this process has sent through the kit so far (a check's byte budget)."""
+    return _sent_bytes[0]
+
+
 def _isend(tensor: torch.Tensor, dst: int, group, state: _LinkState | None, tag=KIT_TAG):
+    if tag != _BEGIN_TAG:
+        with torch._C.DisableTorchFunctionSubclass():
+            _sent_bytes[0] += tensor.numel() * tensor.element_size()
     if state is not None and _shared_memory(tensor):
         return _send_shared(tensor, dst, group, state)
     data = tensor.contiguous()

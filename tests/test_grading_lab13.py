@@ -4,6 +4,11 @@ TopK under another name is refused."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
+import types
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -242,6 +247,88 @@ def kit_top_k_renamed(flat, residual, fraction):
     return squeeze.residuals[0][1]
 
 
+def k_rounded_up(flat, residual, fraction):
+    corrected = flat + residual
+    k = -int(-fraction * flat.numel() // 1)
+    index = corrected.abs().topk(k).indices
+    new = corrected.clone()
+    new[index] = 0
+    all_values, all_index = _gather(corrected[index].clone(), index)
+    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
+    return new
+
+
+def magnitudes_sent(flat, residual, fraction):
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    values, index = corrected.abs().topk(k)
+    new = corrected.clone()
+    new[index] = 0
+    all_values, all_index = _gather(values, index)
+    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
+    return new
+
+
+def flat_not_zeroed(flat, residual, fraction):
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    index = corrected.abs().topk(k).indices
+    new = corrected.clone()
+    new[index] = 0
+    all_values, all_index = _gather(corrected[index].clone(), index)
+    flat.index_add_(0, all_index, all_values).div_(ok.world_size())
+    return new
+
+
+def gradient_values_sent(flat, residual, fraction):
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    index = corrected.abs().topk(k).indices
+    new = corrected.clone()
+    new[index] = 0
+    all_values, all_index = _gather(flat[index].clone(), index)
+    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
+    return new
+
+
+def corrected_is_flat(flat, residual, fraction):
+    corrected = flat.add_(residual)  # corrected and flat: one tensor
+    k = max(1, round(fraction * flat.numel()))
+    index = corrected.abs().topk(k).indices
+    all_values, all_index = _gather(corrected[index].clone(), index)
+    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
+    corrected[index] = 0
+    return corrected
+
+
+def neither_gather_waited(flat, residual, fraction):
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    index = corrected.abs().topk(k).indices
+    world = ok.world_size()
+    all_values = torch.empty(world * k)
+    all_index = torch.empty(world * k, dtype=torch.int64)
+    ok.ring_all_gather(all_values, corrected[index].clone(), async_op=True)
+    ok.ring_all_gather(all_index, index, async_op=True)
+    flat.zero_().index_add_(0, all_index, all_values).div_(world)
+    corrected[index] = 0
+    return corrected
+
+
+def only_rank_0_gathers_indices(flat, residual, fraction):
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    index = corrected.abs().topk(k).indices
+    world = ok.world_size()
+    all_values = torch.empty(world * k)
+    ok.ring_all_gather(all_values, corrected[index].clone())
+    if ok.rank() == 0:
+        ok.ring_all_gather(torch.empty(world * k, dtype=torch.int64), index)
+    flat.zero_()
+    corrected[index] = 0
+    return corrected
+
+
 MISTAKES = {
     no_feedback: "all zeros: no error feedback",
     residual_ignored_but_updated: "the residual passed in (what this rank did not send last "
@@ -255,11 +342,18 @@ MISTAKES = {
     summed: "the sum over the 2 ranks, not the average",
     own_indices_for_everyone: "the other ranks' values were put at this rank's indices",
     dense_all_reduce: "an AllReduce of a dense vector sends",
-    gather_everything_then_choose: "compresses nothing",
+    gather_everything_then_choose: "sent 4280 bytes in a step",
     builtin_gather: "called torch.distributed.all_gather",
     gather_not_waited: "never waited for 3 operation(s)",
     returns_nothing: "returned None: return the new residual",
     kit_top_k_renamed: "TopK",
+    k_rounded_up: "top 17 (⌈f·n⌉, rounded up)",
+    magnitudes_sent: "the magnitudes of the chosen entries, their signs lost",
+    flat_not_zeroed: "flat was not zeroed",
+    gradient_values_sent: "the values are the gradient's alone",
+    corrected_is_flat: "returned residual is flat itself",
+    neither_gather_waited: "never waited for 2 operation(s)",
+    only_rank_0_gathers_indices: "rank 0 and rank 1 disagree on kit operation #2",
 }
 
 
@@ -269,3 +363,158 @@ def test_each_typical_top_k_mistake_is_named_by_the_check(fn):
     assert not report.all_passed
     said = " ".join(text for passed, text in report.cases if not passed)
     assert MISTAKES[fn] in said, said
+
+
+def test_the_mismatch_message_is_not_followed_by_an_unrelated_hint():
+    report = ok.grading.check_topk_with_feedback(only_rank_0_gathers_indices)
+    said = " ".join(text for passed, text in report.cases if not passed)
+    assert "needs output to hold" not in said, said
+
+
+# ------------------------------------------------------------------ the red team (lab 13)
+# Each of these passed the check before it counted bytes where every kit message leaves a
+# rank and guarded its ranks' watch: they exchange more than top-k sends, or run the kit's
+# own TopK with the watch switched off or its disarmed code put back.
+
+
+def _tiny():  # a gather, so that "never called ok.ring_all_gather" does not speak first
+    ok.ring_all_gather(torch.empty(ok.world_size()), torch.zeros(1))
+
+
+def _finish(corrected, k):
+    index = corrected.abs().topk(k).indices
+    new = corrected.clone()
+    new[index] = 0
+    return new
+
+
+def dense_over_p2p(flat, residual, fraction):
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    me, world = ok.rank(), ok.world_size()
+    every = [corrected if p == me else torch.empty_like(corrected) for p in range(world)]
+    handles = [h for p in range(world) if p != me
+               for h in (ok.p2p.isend(corrected, p), ok.p2p.irecv(every[p], p))]  # fmt: skip
+    for h in handles:
+        h.wait()
+    _tiny()
+    flat.zero_()
+    for e in every:
+        index = e.abs().topk(k).indices
+        flat[index] += e[index] / world
+    return _finish(corrected, k)
+
+
+def dense_all_reduce_by_another_module(flat, residual, fraction):
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    index = corrected.abs().topk(k).indices
+    sparse = torch.zeros_like(corrected)
+    sparse[index] = corrected[index]
+    ok.ddp.ring_all_reduce(sparse, op="avg")
+    _tiny()
+    flat.copy_(sparse)
+    return _finish(corrected, k)
+
+
+def everything_gathered_by_another_module(flat, residual, fraction):
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    world = ok.world_size()
+    every = torch.empty(world * flat.numel())
+    ok.sharded.ring_all_gather(every, corrected)
+    _tiny()
+    flat.zero_()
+    for c in every.view(world, -1):
+        index = c.abs().topk(k).indices
+        flat[index] += c[index] / world
+    return _finish(corrected, k)
+
+
+class _SaysItIsSmall(torch.Tensor):
+    """Tells whoever counts bytes (the recorder's _nbytes, the transport's _isend) that it
+    holds one element."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.numel and sys._getframe(1).f_code.co_name in ("_nbytes", "_isend"):
+            return 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def everything_gathered_as_a_small_tensor(flat, residual, fraction):
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    world = ok.world_size()
+    every = torch.empty(world * flat.numel())
+    ok.ring_all_gather(every, corrected.as_subclass(_SaysItIsSmall))
+    flat.zero_()
+    for c in every.as_subclass(torch.Tensor).view(world, -1):
+        index = c.abs().topk(k).indices
+        flat[index] += c[index] / world
+    return _finish(corrected, k)
+
+
+def kit_top_k_with_the_watch_off(flat, residual, fraction):
+    watch = sys.getprofile()
+    functools.partial(sys.setprofile, None)()
+    try:
+        module = types.ModuleType("overlapkit._compression_again")
+        module.__package__ = "overlapkit"
+        with open(ok.compression.__file__) as f:
+            exec(compile(f.read(), ok.compression.__file__, "exec"), module.__dict__)
+        squeeze = module.TopK(fraction)
+        squeeze.residuals[0] = [((flat.numel(),),), residual.clone()]
+        squeeze(flat, async_op=False)
+        return squeeze.residuals[0][1]
+    finally:
+        functools.partial(sys.setprofile, watch)()
+
+
+def _codes_of(fn, seen):
+    """The watch's {code: label} of the answers, found through its closures."""
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            v = cell.cell_contents
+        except ValueError:
+            continue
+        if isinstance(v, dict) and v and all(isinstance(c, types.CodeType) for c in v):
+            return v
+        if callable(v) and id(v) not in seen:
+            seen.add(id(v))
+            found = _codes_of(v, seen)
+            if found:
+                return found
+    return None
+
+
+def kit_top_k_rearmed_through_code(flat, residual, fraction):
+    codes = _codes_of(sys.getprofile(), set()) or {}
+    originals = {c.co_qualname: c for c in codes if c.co_filename == ok.compression.__file__}
+    for cls in (ok.compression.Compressor, ok.compression.TopK):
+        for value in vars(cls).values():
+            f = getattr(value, "__func__", value)
+            if inspect.isfunction(f) and f.__qualname__ in originals:
+                f.__code__ = originals[f.__qualname__]
+    squeeze = ok.compression.TopK(fraction)
+    squeeze.residuals[0] = [((flat.numel(),),), residual.clone()]
+    squeeze(flat, async_op=False)
+    return squeeze.residuals[0][1]
+
+
+RED_TEAM = {
+    dense_over_p2p: "compresses nothing",
+    dense_all_reduce_by_another_module: "compresses nothing",
+    everything_gathered_by_another_module: "compresses nothing",
+    everything_gathered_as_a_small_tensor: "compresses nothing",
+    kit_top_k_with_the_watch_off: "your function called sys.setprofile",
+    kit_top_k_rearmed_through_code: "your function set a function's __code__",
+}
+
+
+@pytest.mark.parametrize("fn", list(RED_TEAM), ids=[f.__name__ for f in RED_TEAM])
+def test_no_way_around_the_work_found_by_the_red_team_passes(fn):
+    report = ok.grading.check_topk_with_feedback(fn)
+    assert not report.all_passed, report.cases
+    said = " ".join(text for passed, text in report.cases if not passed)
+    assert RED_TEAM[fn] in said, said

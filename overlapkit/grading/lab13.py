@@ -29,7 +29,7 @@ import secrets
 
 import torch
 
-from .. import handles
+from .. import handles, p2p
 from ..costmodel import top_k_count
 from . import answers
 from .common import run_or_report, worst_element
@@ -37,8 +37,9 @@ from .report import Report
 from .traffic import shown
 
 STEPS = 3
-#: (ranks, elements, fraction): round(f·n) ≠ ⌊f·n⌋ in both (1070 · 1% = 10.7, 333 · 5% = 16.65)
-CASES = ((2, 1070, 0.01), (3, 333, 0.05))
+#: (ranks, elements, fraction): round(f·n) is ⌈f·n⌉ in one (1070 · 1% = 10.7) and ⌊f·n⌋
+#: in the other (326 · 5% = 16.3), so neither way of rounding passes both
+CASES = ((2, 1070, 0.01), (3, 326, 0.05))
 _GATHER = "ok.ring_all_gather"
 
 
@@ -60,10 +61,26 @@ def _run(topk_with_feedback, numel, fraction, seed):
     for grad in grads:
         flat = grad.clone()
         given = residual.clone()
-        with torch.no_grad():
-            returned = topk_with_feedback(flat, residual, fraction)
-        record = {"flat": flat.clone(), "unwaited": handles.take_unwaited()}
-        if isinstance(returned, torch.Tensor) and returned.shape == flat.shape:
+        sent = p2p.bytes_sent()
+        try:
+            with torch.no_grad():
+                returned = topk_with_feedback(flat, residual, fraction)
+        except Exception as exc:
+            unwaited = handles.take_unwaited()
+            if unwaited:  # what it read was the race guard's poison: say so, not the crash
+                raise RuntimeError(
+                    f"never waited for {len(unwaited)} operation(s), e.g. {unwaited[0]}, and "
+                    f"then failed with {type(exc).__name__}: {exc}. The check poisons an "
+                    "operation's output until its wait() returns (gathered indices read "
+                    "before their wait are out of range): call .wait() on every handle "
+                    "before using what it delivers"
+                ) from exc
+            raise
+        record = {"flat": flat.clone(), "unwaited": handles.take_unwaited(),
+                  "sent": p2p.bytes_sent() - sent}  # fmt: skip
+        if isinstance(returned, torch.Tensor) and _same_storage(returned, flat):
+            record["residual"] = "flat itself (the same storage)"
+        elif isinstance(returned, torch.Tensor) and returned.shape == flat.shape:
             record["residual"] = returned.detach().clone()
             residual = returned.detach()
         else:
@@ -73,6 +90,10 @@ def _run(topk_with_feedback, numel, fraction, seed):
         if isinstance(record["residual"], str):
             break
     return steps
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _describe(x) -> str:
@@ -91,6 +112,13 @@ def _top(corrected: torch.Tensor, k: int, by_value: bool = False) -> torch.Tenso
 def _sparse(corrected: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(corrected)
     out[index] = corrected[index]
+    return out
+
+
+def _placed(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``values`` at ``index``, zeros elsewhere."""
+    out = torch.zeros_like(values)
+    out[index] = values[index]
     return out
 
 
@@ -122,14 +150,40 @@ def _flat_hint(got, rank, grads, given, k, numel, fraction, world, t) -> str:
             f"scattered values by the world size (ok.world_size()), as an AllReduce with "
             "op='avg' would."
         )
+    picked = [_top(c, k) for c in corrected]
+    sizes = torch.stack([_placed(c.abs(), i) for c, i in zip(corrected, picked, strict=True)])
+    if _close(got, sizes.mean(0)):
+        return (
+            " Those are the magnitudes of the chosen entries, their signs lost: choose the "
+            "positions by |corrected| (corrected.abs().topk(k).indices), then send the "
+            "entries themselves, corrected[indices]."
+        )
+    summed = torch.stack([_placed(c, i) for c, i in zip(corrected, picked, strict=True)]).sum(0)
+    for start in (grads[rank], corrected[rank]):
+        if _close(got, (start + summed) / world) or _close(got, start + summed / world):
+            return (
+                " That is this rank's own gradient plus the average: flat was not zeroed "
+                "before the gathered values were added into it (flat.zero_() first: flat "
+                "ends holding the average only)."
+            )
+    if t > 0:
+        sent_flat = torch.stack([_placed(g, i) for g, i in zip(grads, picked, strict=True)])
+        if _close(got, sent_flat.mean(0)):
+            return (
+                " The positions are right but the values are the gradient's alone: send "
+                "corrected[indices] (gradient + residual), the values the positions were "
+                "chosen by."
+            )
     if _close(got, _averages(corrected, k, by_value=True)):
         return (
             " Those are the k largest entries by *value*: the most negative entries matter "
             "as much as the most positive ones. Rank by magnitude: corrected.abs().topk(k)."
         )
-    for other in {int(fraction * numel), k - 1, k + 1, 0}:
+    floor, ceil = int(fraction * numel), -int(-fraction * numel // 1)
+    for other in {floor, ceil, k - 1, k + 1}:
         if other >= 1 and other != k and _close(got, _averages(corrected, other)):
-            how = "⌊f·n⌋, rounded down" if other == int(fraction * numel) else f"{other}"
+            how = {floor: "⌊f·n⌋, rounded down", ceil: "⌈f·n⌉, rounded up"}.get(other, "")
+            how = how or f"{other}"
             return (
                 f" That is the average of every rank's top {other} ({how}); k is the fraction "
                 f"as a count, rounded and at least 1: max(1, round({fraction} · {numel})) = "
@@ -252,6 +306,15 @@ def _judge(report: Report, what: str, results, seeds, numel, fraction) -> bool:
             )
             return False
     for t in range(STEPS):
+        for rank, (steps, _) in enumerate(results):
+            if isinstance(steps[t]["residual"], str) and steps[t]["residual"].startswith("flat "):
+                report.fail(
+                    f"{what}: at step {t + 1}, rank {rank}'s returned residual is flat itself "
+                    "(the same storage: corrected = flat.add_(residual), or flat returned). "
+                    "flat is overwritten with the average, so what this rank did not send is "
+                    "lost with it: make corrected a new tensor, corrected = flat + residual"
+                )
+                return False
         given = [steps[t]["given"] for steps, _ in results]
         step_grads = [g[t] for g in grads]
         corrected = [g + r for g, r in zip(step_grads, given, strict=True)]
@@ -296,12 +359,17 @@ def _judge(report: Report, what: str, results, seeds, numel, fraction) -> bool:
 
 
 def _communication(report: Report, what: str, results, numel: int, fraction: float) -> bool:
+    """Only the kit's collectives (no built-in, no group of torch's own), and no more bytes
+    a step than top-k's values and indices: counted where every kit message leaves the
+    rank (``ok.p2p``), whatever called it."""
     k = top_k_count(numel, fraction)
-    budget = 16 * k  # k float32 values and k int64 indices are 12k; some slack for types
-    for rank, (_, traffic) in enumerate(results):
-        other = sorted({shown(c) for c in traffic.collectives if c != _GATHER})
-        if traffic.direct or other:
-            used = ", ".join(sorted(set(traffic.direct) | set(other)))
+    for rank, (steps, traffic) in enumerate(results):
+        world = len(results)
+        budget = (world - 1) * k * 16  # a ring AllGather of k float32 and k int64: 12 per
+        other = sorted({shown(c) for c in traffic.collectives if not c.startswith("ok.")})
+        kit = sorted({c for c in traffic.collectives if c.startswith("ok.") and c != _GATHER})
+        if traffic.direct or other or kit:
+            used = ", ".join(sorted(set(traffic.direct) | set(other) | set(kit)))
             if "all_reduce" in used:
                 report.fail(
                     f"{what}: rank {rank} called {used}: an AllReduce of a dense vector sends "
@@ -311,21 +379,23 @@ def _communication(report: Report, what: str, results, numel: int, fraction: flo
                 return False
             report.fail(
                 f"{what}: rank {rank} called {used}: exchange the values and indices with "
-                f"the kit's {_GATHER} (its bytes are what this lab counts, and only the "
-                "kit's messages travel over the emulated link)"
+                f"the kit's {_GATHER} (what this lab counts, and only the kit's messages "
+                "travel over the emulated link)"
             )
             return False
-        put = sum(n for c, n in traffic.collective_bytes if c == _GATHER) / STEPS
-        if put > budget:
+        sent = max(s["sent"] for s in steps)
+        if sent > budget:
             report.fail(
-                f"{what}: rank {rank} put {put:.0f} bytes a step into {_GATHER}; top-{k} "
-                f"sends k values and k indices, {12 * k} bytes (float32 and int64). The "
-                f"whole gradient is {4 * numel} bytes: gathering it and choosing afterwards "
-                "compresses nothing. Gather only the chosen values and their indices."
+                f"{what}: rank {rank} sent {sent} bytes in a step; top-{k} on {world} ranks "
+                f"sends (N−1)·k values and indices, {(world - 1) * k * 12} bytes (float32 "
+                f"and int64). The whole gradient is {4 * numel} bytes: exchanging more than "
+                "the chosen entries (a dense vector, every rank's gradient) compresses "
+                f"nothing. Gather only the chosen values and their indices with {_GATHER}."
             )
             return False
-        if put == 0:
-            report.fail(f"{what}: rank {rank} gathered nothing with {_GATHER}")
+        if not any(c == _GATHER for c in traffic.collectives):
+            report.fail(f"{what}: rank {rank} never called {_GATHER}: gather the chosen values "
+                        "and indices with it")  # fmt: skip
             return False
     return True
 
@@ -363,6 +433,8 @@ def _explain(text: str) -> str:
         )
     if "selected index k out of range" in text:
         return " — k is larger than the bucket: k = max(1, round(fraction · flat.numel()))"
+    if "disagree on kit operation" in text:
+        return ""  # the mismatch's own words say it
     if "ring_all_gather" in text and ("size" in text or "shape" in text):
         return (
             " — ok.ring_all_gather(output, input) needs output to hold N × input's elements, "

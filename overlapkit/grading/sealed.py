@@ -191,19 +191,24 @@ def _the_call(fn, args, kwargs):
     return fn(*args, **kwargs)
 
 
-_GUARDED = ("sys.setprofile", "sys.settrace", "open")
+_GUARDED = ("sys.setprofile", "sys.settrace", "open", "object.__setattr__")
 #: what the guard refused during the call, in words (a caught refusal still counts)
 _REFUSED: list[str] = []
 
 
-def _guard_the_call() -> None:
+def _guard_the_call(files: bool = True) -> None:
     """An audit hook (PEP 578: it cannot be removed, and fires however a call is reached,
     ``functools.partial(sys.setprofile, None)`` too) that refuses, while the learner's
     call runs (in any thread): switching the watch (the profiler) off or another on, but
-    where a new thread takes the watch on (``answers`` starts every thread under it), and
+    where a new thread takes the watch on (``answers`` starts every thread under it, the
+    kit's communication worker carries it to each task); giving a function other code
+    (``f.__code__ = …``: the disarmed answers' own code put back); and, with ``files``,
     opening the kit's own files (a fresh copy of one of its modules is not disarmed). Red
     team, lab 12: the profiler switched off through a partial, then ``costmodel`` loaded
-    afresh from its file, passed the check."""
+    afresh from its file, passed the check; lab 13: on a check's ranks, the profiler
+    switched off and the answers re-armed through ``__code__``. (The ranks of a recorded
+    check import the kit's modules lazily, so there ``files`` is off: a copy loaded
+    afresh is still recognised by the watch, which can no longer be switched off.)"""
     import os  # noqa: PLC0415
     import sys  # noqa: PLC0415
     import threading  # noqa: PLC0415
@@ -217,7 +222,10 @@ def _guard_the_call() -> None:
 
     # the code that puts a new thread under the watch: threading's start, and answers'
     raw = answers._raw_threads_watched.__wrapped__.__code__
-    takes_the_watch_on = {threading.Thread._bootstrap_inner.__code__, *_nested_code(raw, "run")}
+    from ..collectives import _Executor  # noqa: PLC0415
+
+    takes_the_watch_on = {threading.Thread._bootstrap_inner.__code__, *_nested_code(raw, "run"),
+                          _Executor._loop.__code__}  # fmt: skip
 
     def inside() -> bool:
         """Is the learner's call running (seen from the thread that runs it)?"""
@@ -235,7 +243,15 @@ def _guard_the_call() -> None:
         if event not in _GUARDED or not inside():
             return
         elsewhere = threading.get_ident() != main
+        if event == "object.__setattr__":
+            if args[1] in ("__code__", "__globals__", "__closure__"):
+                _REFUSED.append(f"your function set a function's {args[1]}: while it runs, "
+                                "the check's answers keep the code they have")  # fmt: skip
+                raise RuntimeError(_REFUSED[-1])
+            return
         if event == "open":
+            if not files:
+                return
             path = args[0]
             if isinstance(path, int):
                 return

@@ -17,14 +17,13 @@ import time
 from dataclasses import dataclass, field
 
 import cloudpickle
-import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from .. import p2p
 from ..inflight import debug_races
 from ..launcher import hide_frames_from
-from . import answers, nofiles, nosockets
+from . import answers, nofiles, nosockets, sealed
 
 P2P = ("send", "recv", "isend", "irecv")
 COLLECTIVES = (
@@ -60,9 +59,6 @@ class Traffic:
     sent: list[tuple[int, int]] = field(default_factory=list)
     received: list[tuple[int, int]] = field(default_factory=list)
     collectives: list[str] = field(default_factory=list)
-    #: (name, bytes this rank put in) per collective call of :attr:`collectives`: a gather's
-    #: input, else its tensor (a compressed exchange is judged by what it sent)
-    collective_bytes: list[tuple[str, int]] = field(default_factory=list)
     #: with ``recording(payloads=True)``: a copy of what each message of ``sent`` carried,
     #: as it was when sent
     payloads: list = field(default_factory=list)
@@ -84,20 +80,6 @@ class Traffic:
 
 def _nbytes(tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _contributed(name: str, args, kwargs) -> int:
-    """The bytes a rank puts into a collective call: a gather's input (its second
-    argument), else its first tensor."""
-    if "gather" in name:
-        given = (
-            args[1]
-            if len(args) > 1
-            else next((kwargs[k] for k in ("input", "input_tensor", "tensor") if k in kwargs), None)
-        )
-    else:
-        given = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-    return _nbytes(given) if isinstance(given, torch.Tensor) else 0
 
 
 def _peer(args, kwargs, key) -> int:
@@ -151,7 +133,6 @@ def recording(kit_collectives_are_builtins: bool = True, payloads: bool = False)
             add("received", (_peer(args, kwargs, "src"), _nbytes(tensor)))
         else:
             add("collectives", name)
-            add("collective_bytes", (name, _contributed(name, args, kwargs)))
 
     def timed(name, args, kwargs, call, kit=False):
         """Call a point-to-point function, noting when its message started and ended
@@ -230,8 +211,7 @@ def recording(kit_collectives_are_builtins: bool = True, payloads: bool = False)
         _current.remove(traffic)
         for module, name, original in reversed(patched):
             setattr(module, name, original)
-        for field in ("sent", "received", "collectives", "collective_bytes", "direct", "timed",
-                      "payloads"):  # fmt: skip
+        for field in ("sent", "received", "collectives", "direct", "timed", "payloads"):
             seen, mine = getattr(traffic, field), getattr(kept, field)
             if len(seen) != len(mine) or any(a is not b for a, b in zip(seen, mine, strict=True)):
                 traffic.tampered = True
@@ -326,12 +306,19 @@ def _run_recording(fn_bytes, args_bytes, forbid, payloads, mine):
         # gets the learner's function as an argument): see the module docstring
         fn = cloudpickle.loads(fn_bytes)
         args, kwargs = cloudpickle.loads(args_bytes)
+        # the watch can be neither switched off nor fooled by code put back (red team,
+        # lab 13): the same guard as a single-process check's, but for the kit's files
+        sealed._guard_the_call(files=False)
         try:
-            value = fn(*args, **kwargs, **mine)
+            value = sealed._the_call(fn, args, {**kwargs, **mine})
         except Exception as exc:
             if ran:  # the answer's own error says less than that it ran
                 raise answers.AnswerRan.on(_rank(), list(ran)) from exc
+            if sealed._REFUSED:  # what the guard refused says more than what it became
+                raise PermissionError(sealed._REFUSED[0]) from exc
             raise
+        if sealed._REFUSED:  # refused, and the refusal swallowed: the work was not done
+            raise PermissionError(sealed._REFUSED[0])
     if ran or traffic.tampered:
         raise answers.AnswerRan.on(_rank(), list(ran) + [answers.RECORD] * traffic.tampered)
     return value, traffic
