@@ -329,6 +329,45 @@ def only_rank_0_gathers_indices(flat, residual, fraction):
     return corrected
 
 
+def _variant(select="magnitude", place="add", divide="ranks"):
+    """Right but for one choice: how positions are chosen, values placed, the sum divided."""
+
+    def fn(flat, residual, fraction):
+        corrected = flat + residual
+        k = max(1, round(fraction * flat.numel()))
+        index = corrected.abs().topk(k, largest=select != "smallest").indices
+        new = corrected.clone()
+        new[index] = 0
+        all_values, all_index = _gather(corrected[index].clone(), index)
+        flat.zero_()
+        if place == "add":
+            flat.index_add_(0, all_index, all_values)
+        else:
+            flat[all_index] = all_values
+        flat /= ok.world_size() if divide == "ranks" else k
+        return new
+
+    return fn
+
+
+divided_by_k = _variant(divide="k")
+smallest_chosen = _variant(select="smallest")
+collisions_overwritten = _variant(place="assign")
+divided_by_k.__name__, smallest_chosen.__name__ = "divided_by_k", "smallest_chosen"
+collisions_overwritten.__name__ = "collisions_overwritten"
+
+
+def flat_zeroed_first(flat, residual, fraction):
+    flat.zero_()
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    index = corrected.abs().topk(k).indices
+    all_values, all_index = _gather(corrected[index].clone(), index)
+    flat.index_add_(0, all_index, all_values).div_(ok.world_size())
+    corrected[index] = 0
+    return corrected
+
+
 MISTAKES = {
     no_feedback: "all zeros: no error feedback",
     residual_ignored_but_updated: "the residual passed in (what this rank did not send last "
@@ -354,6 +393,10 @@ MISTAKES = {
     corrected_is_flat: "returned residual is flat itself",
     neither_gather_waited: "never waited for 2 operation(s)",
     only_rank_0_gathers_indices: "rank 0 and rank 1 disagree on kit operation #2",
+    divided_by_k: "the sum divided by k = 11",
+    smallest_chosen: "the k *smallest* entries",
+    collisions_overwritten: "one value was kept",
+    flat_zeroed_first: "flat is all zeros",
 }
 
 
@@ -518,3 +561,73 @@ def test_no_way_around_the_work_found_by_the_red_team_passes(fn):
     assert not report.all_passed, report.cases
     said = " ".join(text for passed, text in report.cases if not passed)
     assert RED_TEAM[fn] in said, said
+
+
+# Round two of the red team: a channel outside the kit (System V shared memory), and the
+# kit's TopK loaded afresh from its file and run on a thread started from C (which no
+# profiler watches). Both passed before: IPC is refused by the ranks' seccomp filter now,
+# and opening the file of a kit module already imported by the guard.
+
+
+def through_system_v_shared_memory(flat, residual, fraction):
+    import ctypes  # noqa: PLC0415
+    import os  # noqa: PLC0415
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    sid = libc.shmget(0x0C13 << 16 | (os.getppid() + flat.numel()) & 0xFFFF,
+                      4 * flat.numel() * ok.world_size(), 0o1600)  # fmt: skip
+    if sid < 0:
+        raise OSError(ctypes.get_errno(), "shmget refused")
+    libc.shmctl(sid, 0, None)  # IPC_RMID: nothing left behind should it ever work
+    _tiny()
+    flat.zero_()
+    return _finish(corrected, k)
+
+
+def fresh_kit_top_k_on_a_thread_started_from_c(flat, residual, fraction):
+    import ctypes  # noqa: PLC0415
+    import importlib.util  # noqa: PLC0415
+    import os  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    path = os.path.join(os.path.dirname(ok.__file__), "compression.py")
+    spec = importlib.util.spec_from_file_location("overlapkit._compression_again", path)
+    module = importlib.util.module_from_spec(spec)
+    module.__package__ = "overlapkit"
+    spec.loader.exec_module(module)
+    corrected, box, done = flat + residual, {}, threading.Event()
+
+    def work(_):
+        threading.current_thread().name = "raw"
+        try:
+            box["dropped"] = module.TopK(fraction)._compressed_average(
+                corrected, None, ok.world_size(), 0, None)  # fmt: skip
+        except BaseException as exc:  # noqa: BLE001
+            box["error"] = exc
+        done.set()
+
+    callback = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(work)
+    start = ctypes.pythonapi.PyThread_start_new_thread
+    start.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    start(ctypes.cast(callback, ctypes.c_void_p), None)
+    done.wait()
+    if "error" in box:
+        raise box["error"]
+    flat.copy_(corrected)
+    return box["dropped"]
+
+
+RED_TEAM_TWO = {
+    through_system_v_shared_memory: "shmget refused",
+    fresh_kit_top_k_on_a_thread_started_from_c: "opened the kit's own file",
+}
+
+
+@pytest.mark.parametrize("fn", list(RED_TEAM_TWO), ids=[f.__name__ for f in RED_TEAM_TWO])
+def test_no_channel_outside_the_kit_and_no_fresh_copy_of_an_answer_passes(fn):
+    report = ok.grading.check_topk_with_feedback(fn)
+    assert not report.all_passed, report.cases
+    said = " ".join(text for passed, text in report.cases if not passed)
+    assert RED_TEAM_TWO[fn] in said, said

@@ -43,18 +43,28 @@ CASES = ((2, 1070, 0.01), (3, 326, 0.05))
 _GATHER = "ok.ring_all_gather"
 
 
-def _gradients(seed: int, numel: int) -> list[torch.Tensor]:
+SPIKES = 3  # positions large on every rank, each step: two ranks choose the same ones
+
+
+def _gradients(seed: int, numel: int, shared: int) -> list[torch.Tensor]:
     """A rank's gradients, step by step: entries of both signs and varied sizes, so the
-    largest by value and by magnitude differ."""
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(numel, generator=gen) * (1 + 3 * torch.rand(numel, generator=gen))
-            for _ in range(STEPS)]  # fmt: skip
+    largest by value and by magnitude differ; and ``SPIKES`` positions (from ``shared``,
+    the same on every rank) large on every rank, so that every step some index is chosen
+    by several ranks (a learner who overwrites instead of adding fails every time)."""
+    gen, common = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(shared)
+    grads = []
+    for _ in range(STEPS):
+        grad = torch.randn(numel, generator=gen) * (1 + 3 * torch.rand(numel, generator=gen))
+        spikes = torch.randperm(numel, generator=common)[:SPIKES]
+        grad[spikes] += 20 * torch.randn(SPIKES, generator=gen).sign()
+        grads.append(grad)
+    return grads
 
 
-def _run(topk_with_feedback, numel, fraction, seed):
+def _run(topk_with_feedback, numel, fraction, shared, seed):
     """On each rank: its own gradients (from ``seed``, this rank's alone), the residual it
     returned carried to the next step. Records what the function left and returned."""
-    grads = _gradients(seed, numel)
+    grads = _gradients(seed, numel, shared)
     del seed
     residual = torch.zeros(numel)
     steps = []
@@ -122,6 +132,11 @@ def _placed(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _mean_placed(values: list, indices: list) -> torch.Tensor:
+    """The average over the ranks of each rank's ``values`` at its ``indices``."""
+    return torch.stack([_placed(v, i) for v, i in zip(values, indices, strict=True)]).mean(0)
+
+
 def _kept(corrected: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     out = corrected.clone()
     out[index] = 0
@@ -151,14 +166,13 @@ def _flat_hint(got, rank, grads, given, k, numel, fraction, world, t) -> str:
             "op='avg' would."
         )
     picked = [_top(c, k) for c in corrected]
-    sizes = torch.stack([_placed(c.abs(), i) for c, i in zip(corrected, picked, strict=True)])
-    if _close(got, sizes.mean(0)):
+    if _close(got, _mean_placed([c.abs() for c in corrected], picked)):
         return (
             " Those are the magnitudes of the chosen entries, their signs lost: choose the "
             "positions by |corrected| (corrected.abs().topk(k).indices), then send the "
             "entries themselves, corrected[indices]."
         )
-    summed = torch.stack([_placed(c, i) for c, i in zip(corrected, picked, strict=True)]).sum(0)
+    summed = _mean_placed(corrected, picked) * world
     for start in (grads[rank], corrected[rank]):
         if _close(got, (start + summed) / world) or _close(got, start + summed / world):
             return (
@@ -167,12 +181,36 @@ def _flat_hint(got, rank, grads, given, k, numel, fraction, world, t) -> str:
                 "ends holding the average only)."
             )
     if t > 0:
-        sent_flat = torch.stack([_placed(g, i) for g, i in zip(grads, picked, strict=True)])
-        if _close(got, sent_flat.mean(0)):
+        if _close(got, _mean_placed(grads, picked)):
             return (
                 " The positions are right but the values are the gradient's alone: send "
                 "corrected[indices] (gradient + residual), the values the positions were "
                 "chosen by."
+            )
+    if _close(got, summed / k):
+        return f" That is the sum divided by k = {k}: the average divides by N = {world}."
+    smallest = [c.abs().topk(k, largest=False).indices for c in corrected]
+    if _close(got, _mean_placed(corrected, smallest)):
+        return (
+            " Those are the k *smallest* entries: topk(k) picks the largest by default "
+            "(largest=True); the large ones carry the gradient."
+        )
+    overwritten = torch.zeros_like(got)
+    for c, i in zip(corrected, picked, strict=True):  # in rank order, the last one kept
+        overwritten[i] = c[i]
+    if _close(got, overwritten / world) or _close(got, overwritten):
+        return (
+            " Where two ranks chose the same position, one value was kept: flat[indices] = "
+            "values overwrites. Add them: flat.index_add_(0, indices, values) (an index "
+            "chosen by two ranks gets both values)."
+        )
+    if t > 0:
+        by_gradient = [_top(g, k) for g in grads]
+        if _close(got, _mean_placed(corrected, by_gradient)):
+            return (
+                " The positions were chosen by the gradient alone: choose them by "
+                "|corrected| (gradient + residual), so that what waited in the residual "
+                "gets its turn."
             )
     if _close(got, _averages(corrected, k, by_value=True)):
         return (
@@ -203,6 +241,11 @@ def _flat_hint(got, rank, grads, given, k, numel, fraction, world, t) -> str:
                 " That adds the residual with the wrong sign (flat − residual): the residual "
                 "is what was left out, so it is added back, corrected = flat + residual."
             )
+    if not bool(got.any()):
+        return (
+            " flat is all zeros: the average was never written into it (add every rank's "
+            "values at their indices after flat.zero_(), then divide)."
+        )
     if world > 1:
         index = _top(corrected[rank], k)
         if bool((got[~_mask(index, numel)].abs() <= 1e-7).all()) and not _close(got, right):
@@ -285,10 +328,10 @@ def _residual_hint(got, rank, grads, given, k, world, t) -> str:
 # --------------------------------------------------------------------------- judging
 
 
-def _judge(report: Report, what: str, results, seeds, numel, fraction) -> bool:
+def _judge(report: Report, what: str, results, seeds, shared, numel, fraction) -> bool:
     world = len(seeds)
     k = top_k_count(numel, fraction)
-    grads = [_gradients(seed, numel) for seed in seeds]
+    grads = [_gradients(seed, numel, shared) for seed in seeds]
     for rank, (steps, _) in enumerate(results):
         unwaited = [u for s in steps for u in s["unwaited"]]
         if unwaited:
@@ -407,14 +450,14 @@ def check_topk_with_feedback(topk_with_feedback, timeout: float = 60.0) -> Repor
     for world, numel, fraction in CASES:
         k = top_k_count(numel, fraction)
         what = f"{world} ranks, {numel} elements, fraction {fraction:g} (k = {k})"
-        seeds = [secrets.randbits(62) for _ in range(world)]
-        results = run_or_report(report, what, _run, topk_with_feedback, numel, fraction,
+        seeds, shared = [secrets.randbits(62) for _ in range(world)], secrets.randbits(62)
+        results = run_or_report(report, what, _run, topk_with_feedback, numel, fraction, shared,
                                 world_size=world, timeout=timeout, explain=_explain,
                                 forbid=answers.of("check_topk_with_feedback"),
                                 rank_kwargs=[{"seed": s} for s in seeds])  # fmt: skip
         if results is None:
             return report
-        if not _judge(report, what, results, seeds, numel, fraction):
+        if not _judge(report, what, results, seeds, shared, numel, fraction):
             return report
         if not _communication(report, what, results, numel, fraction):
             return report

@@ -8,8 +8,9 @@ data between ranks that no record of the kit's sees. Every such group (gloo's, o
 other way to talk: TCP or unix sockets) needs a new socket. So before the learner's code
 runs, a rank makes the kit's own group for the default group (the one its collectives
 use), then installs a seccomp filter on every thread of the process: ``socket()`` and
-``socketpair()`` fail with EPERM from then on. A filter cannot be removed, and the rank
-process ends after the check.
+``socketpair()`` fail with EPERM from then on, and so do System V IPC (``shmget``,
+``shmat``, ``msgget``, ``semget``) and POSIX message queues (``mq_open``). A filter
+cannot be removed, and the rank process ends after the check.
 
 Linux on x86-64 or arm64, gloo only (NCCL connects lazily, at its first collective), in
 a rank ``ok.launch`` forked (a torchrun worker lives on after the check); elsewhere
@@ -31,6 +32,10 @@ _ARCHES = {
 }
 #: (execve, execveat) per machine: a single-process exercise starts no program
 _EXEC = {"x86_64": (59, 322), "aarch64": (221, 281)}
+#: (shmget, shmat, msgget, semget, mq_open) per machine: System V shared memory, message
+#: queues and semaphores, and POSIX message queues, open no socket and no file path, so
+#: they were a channel between ranks (red team, lab 13: whole gradients through shmget)
+_IPC = {"x86_64": (29, 30, 68, 64, 240), "aarch64": (194, 196, 186, 190, 180)}
 _EPERM = 1
 _X32 = 0x40000000  # x86-64's x32 numbers: the same calls by another number
 
@@ -79,7 +84,7 @@ def forbid_new_sockets(no_exec: bool = False) -> bool:
     p2p._kit_group(None, torch.device("cpu"))  # the kit's collectives' own: made now
     arch, socket, socketpair, seccomp = numbers
     extra = _EXEC[platform.machine()] if no_exec else ()
-    code = _program(arch, socket, socketpair, *extra)
+    code = _program(arch, socket, socketpair, *_IPC[platform.machine()], *extra)
     filters = ctypes.create_string_buffer(code, len(code))
 
     class _Prog(ctypes.Structure):

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
+import sys
 
 import cloudpickle
 
@@ -209,8 +211,6 @@ def _guard_the_call(files: bool = True) -> None:
     switched off and the answers re-armed through ``__code__``. (The ranks of a recorded
     check import the kit's modules lazily, so there ``files`` is off: a copy loaded
     afresh is still recognised by the watch, which can no longer be switched off.)"""
-    import os  # noqa: PLC0415
-    import sys  # noqa: PLC0415
     import threading  # noqa: PLC0415
 
     import overlapkit  # noqa: PLC0415
@@ -250,8 +250,6 @@ def _guard_the_call(files: bool = True) -> None:
                 raise RuntimeError(_REFUSED[-1])
             return
         if event == "open":
-            if not files:
-                return
             path = args[0]
             if isinstance(path, int):
                 return
@@ -259,6 +257,15 @@ def _guard_the_call(files: bool = True) -> None:
                 path = os.path.abspath(os.fsdecode(path))
             except (TypeError, ValueError):
                 return
+            # without ``files`` (a recorded check's ranks import the kit lazily): only a
+            # module already imported, whose fresh copy would not be disarmed (red team,
+            # lab 13: compression.py loaded again under another name and run on a thread
+            # started from C, which no profiler watches); source lines read for a warning
+            # or a traceback (linecache) are not code that runs
+            if path.startswith(kit) and not files:
+                caller = sys._getframe(1).f_code.co_filename
+                if not _imported(path[len(kit) :]) or caller.endswith(_LINE_READERS):
+                    return
             if path.startswith(kit):
                 _REFUSED.append(f"your function opened the kit's own file {path[len(kit) :]}: "
                                 "an exercise is written, not loaded from the kit")  # fmt: skip
@@ -269,6 +276,22 @@ def _guard_the_call(files: bool = True) -> None:
             raise RuntimeError(_REFUSED[-1])
 
     sys.addaudithook(hook)
+
+
+_LINE_READERS = (os.sep + "linecache.py", os.sep + "tokenize.py")
+
+
+def _imported(relative: str) -> bool:
+    """Whether the kit's file at ``relative`` (to the package: ``compression.py``,
+    ``grading/__pycache__/lab13.cpython-311.pyc``) is a module already imported."""
+    parts = relative.split(os.sep)
+    if "__pycache__" in parts:
+        parts = [*parts[: parts.index("__pycache__")], parts[-1].split(".")[0]]
+    else:
+        parts[-1] = parts[-1].rsplit(".", 1)[0]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(["overlapkit", *parts]) in sys.modules
 
 
 def _nested_code(code, name: str) -> list:
