@@ -73,109 +73,73 @@ def _gather(values, index):
     return all_values, all_index
 
 
-def no_feedback(flat, residual, fraction):
-    k = max(1, round(fraction * flat.numel()))
-    index = flat.abs().topk(k).indices
-    all_values, all_index = _gather(flat[index].clone(), index)
-    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
-    return torch.zeros_like(flat)
+def _variant(
+    name,
+    k="round",
+    select="magnitude",
+    send="corrected",
+    feedback=True,
+    zero_flat=True,
+    place="add",
+    divide="ranks",
+    residual="right",
+):
+    """The right answer but for the choices named: how k is counted, how the positions
+    are chosen, which values travel, whether the residual is added, how the values land
+    in flat and are divided, and which residual is returned."""
+
+    def fn(flat, residual_in, fraction):
+        given = flat.clone()
+        corrected = flat + residual_in if feedback else flat.clone()
+        count = {"round": max(1, round(fraction * flat.numel())),
+                 "floor": int(fraction * flat.numel()),
+                 "ceil": -int(-fraction * flat.numel() // 1), "fraction": fraction}[k]  # fmt: skip
+        by = {"magnitude": corrected.abs(), "value": corrected, "smallest": -corrected.abs()}
+        index = by[select].topk(count).indices
+        values = {"corrected": corrected, "magnitudes": corrected.abs(), "gradient": given}
+        values = values[send][index].clone()
+        world = ok.world_size()
+        if place == "own":  # the values only: each rank's added at this rank's positions
+            all_values = torch.empty(world * count)
+            ok.ring_all_gather(all_values, values)
+        else:
+            all_values, all_index = _gather(values, index)
+        if zero_flat:
+            flat.zero_()
+        if place == "own":
+            for chunk in all_values.view(world, count):
+                flat[index] += chunk
+        elif place == "assign":
+            flat[all_index] = all_values
+        else:
+            flat.index_add_(0, all_index, all_values)
+        flat /= {"ranks": world, "k": count, None: 1}[divide]
+        kept = corrected.clone()
+        kept[index] = 0
+        return {"right": kept, "zeros": torch.zeros_like(flat), "negated": -kept,
+                "unzeroed": corrected, "of_average": corrected - flat}[residual]  # fmt: skip
+
+    fn.__name__ = name
+    return fn
 
 
-def residual_ignored_but_updated(flat, residual, fraction):
-    k = max(1, round(fraction * flat.numel()))
-    index = flat.abs().topk(k).indices
-    new = flat.clone()
-    new[index] = 0
-    all_values, all_index = _gather(flat[index].clone(), index)
-    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
-    return new
-
-
-def residual_wrong_sign(flat, residual, fraction):
-    corrected = flat + residual
-    k = max(1, round(fraction * flat.numel()))
-    index = corrected.abs().topk(k).indices
-    sent = torch.zeros_like(corrected)
-    sent[index] = corrected[index]
-    all_values, all_index = _gather(corrected[index].clone(), index)
-    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
-    return sent - corrected
-
-
-def residual_not_updated(flat, residual, fraction):
-    corrected = flat + residual
-    k = max(1, round(fraction * flat.numel()))
-    index = corrected.abs().topk(k).indices
-    all_values, all_index = _gather(corrected[index].clone(), index)
-    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
-    return corrected  # the sent entries are still in it
-
-
-def residual_of_the_average(flat, residual, fraction):
-    corrected = flat + residual
-    k = max(1, round(fraction * flat.numel()))
-    index = corrected.abs().topk(k).indices
-    all_values, all_index = _gather(corrected[index].clone(), index)
-    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
-    return corrected - flat
-
-
-def k_rounded_down(flat, residual, fraction):
-    corrected = flat + residual
-    k = int(fraction * flat.numel())
-    index = corrected.abs().topk(k).indices
-    new = corrected.clone()
-    new[index] = 0
-    all_values, all_index = _gather(corrected[index].clone(), index)
-    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
-    return new
-
-
-def k_as_the_fraction(flat, residual, fraction):
-    corrected = flat + residual
-    index = corrected.abs().topk(fraction).indices
-    new = corrected.clone()
-    new[index] = 0
-    all_values, all_index = _gather(corrected[index].clone(), index)
-    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
-    return new
-
-
-def top_by_value(flat, residual, fraction):
-    corrected = flat + residual
-    k = max(1, round(fraction * flat.numel()))
-    index = corrected.topk(k).indices
-    new = corrected.clone()
-    new[index] = 0
-    all_values, all_index = _gather(corrected[index].clone(), index)
-    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
-    return new
-
-
-def summed(flat, residual, fraction):
-    corrected = flat + residual
-    k = max(1, round(fraction * flat.numel()))
-    index = corrected.abs().topk(k).indices
-    new = corrected.clone()
-    new[index] = 0
-    all_values, all_index = _gather(corrected[index].clone(), index)
-    flat.zero_().index_add_(0, all_index, all_values)
-    return new
-
-
-def own_indices_for_everyone(flat, residual, fraction):
-    corrected = flat + residual
-    k = max(1, round(fraction * flat.numel()))
-    index = corrected.abs().topk(k).indices
-    new = corrected.clone()
-    new[index] = 0
-    world = ok.world_size()
-    all_values = torch.empty(world * k)
-    ok.ring_all_gather(all_values, corrected[index].clone())
-    flat.zero_()
-    for values in all_values.view(world, k):
-        flat[index] += values / world
-    return new
+no_feedback = _variant("no_feedback", feedback=False, residual="zeros")
+residual_ignored_but_updated = _variant("residual_ignored_but_updated", feedback=False)
+residual_wrong_sign = _variant("residual_wrong_sign", residual="negated")
+residual_not_updated = _variant("residual_not_updated", residual="unzeroed")
+residual_of_the_average = _variant("residual_of_the_average", residual="of_average")
+k_rounded_down = _variant("k_rounded_down", k="floor")
+k_rounded_up = _variant("k_rounded_up", k="ceil")
+k_as_the_fraction = _variant("k_as_the_fraction", k="fraction")
+top_by_value = _variant("top_by_value", select="value")
+smallest_chosen = _variant("smallest_chosen", select="smallest")
+magnitudes_sent = _variant("magnitudes_sent", send="magnitudes")
+gradient_values_sent = _variant("gradient_values_sent", send="gradient")
+summed = _variant("summed", divide=None)
+divided_by_k = _variant("divided_by_k", divide="k")
+flat_not_zeroed = _variant("flat_not_zeroed", zero_flat=False)
+own_indices_for_everyone = _variant("own_indices_for_everyone", place="own")
+collisions_overwritten = _variant("collisions_overwritten", place="assign")
 
 
 def dense_all_reduce(flat, residual, fraction):
@@ -247,50 +211,6 @@ def kit_top_k_renamed(flat, residual, fraction):
     return squeeze.residuals[0][1]
 
 
-def k_rounded_up(flat, residual, fraction):
-    corrected = flat + residual
-    k = -int(-fraction * flat.numel() // 1)
-    index = corrected.abs().topk(k).indices
-    new = corrected.clone()
-    new[index] = 0
-    all_values, all_index = _gather(corrected[index].clone(), index)
-    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
-    return new
-
-
-def magnitudes_sent(flat, residual, fraction):
-    corrected = flat + residual
-    k = max(1, round(fraction * flat.numel()))
-    values, index = corrected.abs().topk(k)
-    new = corrected.clone()
-    new[index] = 0
-    all_values, all_index = _gather(values, index)
-    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
-    return new
-
-
-def flat_not_zeroed(flat, residual, fraction):
-    corrected = flat + residual
-    k = max(1, round(fraction * flat.numel()))
-    index = corrected.abs().topk(k).indices
-    new = corrected.clone()
-    new[index] = 0
-    all_values, all_index = _gather(corrected[index].clone(), index)
-    flat.index_add_(0, all_index, all_values).div_(ok.world_size())
-    return new
-
-
-def gradient_values_sent(flat, residual, fraction):
-    corrected = flat + residual
-    k = max(1, round(fraction * flat.numel()))
-    index = corrected.abs().topk(k).indices
-    new = corrected.clone()
-    new[index] = 0
-    all_values, all_index = _gather(flat[index].clone(), index)
-    flat.zero_().index_add_(0, all_index, all_values).div_(ok.world_size())
-    return new
-
-
 def corrected_is_flat(flat, residual, fraction):
     corrected = flat.add_(residual)  # corrected and flat: one tensor
     k = max(1, round(fraction * flat.numel()))
@@ -327,34 +247,6 @@ def only_rank_0_gathers_indices(flat, residual, fraction):
     flat.zero_()
     corrected[index] = 0
     return corrected
-
-
-def _variant(select="magnitude", place="add", divide="ranks"):
-    """Right but for one choice: how positions are chosen, values placed, the sum divided."""
-
-    def fn(flat, residual, fraction):
-        corrected = flat + residual
-        k = max(1, round(fraction * flat.numel()))
-        index = corrected.abs().topk(k, largest=select != "smallest").indices
-        new = corrected.clone()
-        new[index] = 0
-        all_values, all_index = _gather(corrected[index].clone(), index)
-        flat.zero_()
-        if place == "add":
-            flat.index_add_(0, all_index, all_values)
-        else:
-            flat[all_index] = all_values
-        flat /= ok.world_size() if divide == "ranks" else k
-        return new
-
-    return fn
-
-
-divided_by_k = _variant(divide="k")
-smallest_chosen = _variant(select="smallest")
-collisions_overwritten = _variant(place="assign")
-divided_by_k.__name__, smallest_chosen.__name__ = "divided_by_k", "smallest_chosen"
-collisions_overwritten.__name__ = "collisions_overwritten"
 
 
 def flat_zeroed_first(flat, residual, fraction):
