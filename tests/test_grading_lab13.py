@@ -523,3 +523,23 @@ def test_no_channel_outside_the_kit_and_no_fresh_copy_of_an_answer_passes(fn):
     assert not report.all_passed, report.cases
     said = " ".join(text for passed, text in report.cases if not passed)
     assert RED_TEAM_TWO[fn] in said, said
+
+
+def only_rank_0_gathers(flat, residual, fraction):
+    corrected = flat + residual
+    k = max(1, round(fraction * flat.numel()))
+    index = corrected.abs().topk(k).indices
+    world = ok.world_size()
+    all_values, all_index = torch.zeros(world * k), torch.zeros(world * k, dtype=torch.int64)
+    if ok.rank() == 0:  # rank 1 never joins: rank 0 waits for it
+        ok.ring_all_gather(all_values, corrected[index].clone())
+        ok.ring_all_gather(all_index, index)
+    flat.zero_().index_add_(0, all_index, all_values).div_(world)
+    corrected[index] = 0
+    return corrected
+
+
+def test_a_gather_one_rank_never_joins_is_a_named_hang_not_a_minute_long_wait():
+    report = ok.grading.check_topk_with_feedback(only_rank_0_gathers, timeout=5)
+    said = " ".join(text for passed, text in report.cases if not passed)
+    assert "did not finish within 5 s" in said and "rank 1 had finished" in said, said

@@ -443,7 +443,7 @@ def _communication(report: Report, what: str, results, numel: int, fraction: flo
     return True
 
 
-def check_topk_with_feedback(topk_with_feedback, timeout: float = 60.0) -> Report:
+def check_topk_with_feedback(topk_with_feedback, timeout: float = 30.0) -> Report:
     """Check ``topk_with_feedback(flat, residual, fraction) -> new residual`` on 2 and 3
     ranks, three steps each (see the module docstring)."""
     report = Report("topk_with_feedback")
