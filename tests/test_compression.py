@@ -8,6 +8,7 @@ import torch.distributed as dist
 import overlapkit as ok
 from overlapkit.compression import FromFunction, Half, PowerSGD, TopK, orthogonalize
 from tests.test_ddp import torch_ddp_backward_error
+from tests.test_grading_lab13 import topk_right
 
 # ------------------------------------------------------------------ one process
 
@@ -109,23 +110,10 @@ def test_topk_sends_each_ranks_largest_entries_and_keeps_the_rest_as_its_residua
         assert torch.allclose(steps[0][1], expected, atol=1e-6)
 
 
-def _topk_by_hand(flat, residual, fraction):
-    corrected = flat + residual
-    k = ok.costmodel.top_k_count(flat.numel(), fraction)
-    index = corrected.abs().topk(k).indices
-    world = ok.world_size()
-    values, indices = torch.empty(world * k), torch.empty(world * k, dtype=torch.int64)
-    ok.ring_all_gather(values, corrected[index].clone())
-    ok.ring_all_gather(indices, index)
-    flat.zero_().index_add_(0, indices, values).div_(world)
-    corrected[index] = 0
-    return corrected
-
-
 def test_a_function_made_a_compressor_keeps_its_residual_and_matches_the_kits_top_k():
     """Lab 13's adapter: the learner's top-k, step after step, gives TopK's averages."""
     theirs = ok.launch(_one_bucket, TopK(0.05), 600, None, 3, world_size=2, timeout=60)
-    mine = ok.launch(_one_bucket, FromFunction(_topk_by_hand, 0.05), 600, None, 3,
+    mine = ok.launch(_one_bucket, FromFunction(topk_right, 0.05), 600, None, 3,
                      world_size=2, timeout=60)  # fmt: skip
     for a, b in zip(theirs, mine, strict=True):
         for t in range(3):

@@ -119,12 +119,6 @@ def _top(corrected: torch.Tensor, k: int, by_value: bool = False) -> torch.Tenso
     return (corrected if by_value else corrected.abs()).topk(k).indices
 
 
-def _sparse(corrected: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros_like(corrected)
-    out[index] = corrected[index]
-    return out
-
-
 def _placed(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``values`` at ``index``, zeros elsewhere."""
     out = torch.zeros_like(values)
@@ -144,7 +138,7 @@ def _kept(corrected: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _averages(corrected: list[torch.Tensor], k: int, by_value: bool = False) -> torch.Tensor:
-    return torch.stack([_sparse(c, _top(c, k, by_value)) for c in corrected]).mean(0)
+    return _mean_placed(corrected, [_top(c, k, by_value) for c in corrected])
 
 
 def _close(a, b) -> bool:
@@ -228,8 +222,7 @@ def _flat_hint(got, rank, grads, given, k, numel, fraction, world, t) -> str:
                 f"{k} entries per rank."
             )
     if t > 0:
-        plain = [g.clone() for g in grads]
-        if _close(got, _averages(plain, k)):
+        if _close(got, _averages(grads, k)):
             return (
                 " That is the average of the top-k of the gradients alone: the residual "
                 "passed in (what this rank did not send last step) was never added. Error "
@@ -262,9 +255,8 @@ def _flat_hint(got, rank, grads, given, k, numel, fraction, world, t) -> str:
                 "then index_add_; binding the name to a new tensor does not change the "
                 "caller's)."
             )
-        if _close(got, _sparse(corrected[rank], index)) or _close(
-            got, _sparse(corrected[rank], index) / world
-        ):
+        own = _placed(corrected[rank], index)
+        if _close(got, own) or _close(got, own / world):
             return (
                 f" That is rank {rank}'s own top-k only: the other ranks' entries never "
                 "arrived. All-gather every rank's values and indices and add them all."

@@ -173,18 +173,26 @@ def _call_on_rank(fn_bytes: bytes, args_bytes: bytes, watch: list):
                 seen.append(stack.enter_context(answers.running(what[1])))
         fn = cloudpickle.loads(fn_bytes)
         args, kwargs = cloudpickle.loads(args_bytes)
-        _guard_the_call()
-        try:
-            value = _the_call(fn, args, kwargs)
-        except Exception as exc:
-            if _REFUSED:  # what the guard refused says more than what it became
-                raise PermissionError(_REFUSED[0]) from exc
-            raise
-        if _REFUSED:  # refused, and the refusal swallowed: the work was not done here
-            raise PermissionError(_REFUSED[0])
+        value = call_guarded(fn, args, kwargs)
     # read once every watch has closed (and added what it saw at its end: a list emptied
     # by the learner's function is noted then), not inside the block
     return value, [list(s) for s in seen]
+
+
+def call_guarded(fn, args, kwargs, files: bool = True):
+    """``fn(*args, **kwargs)`` under :func:`_guard_the_call`'s hook; what the hook refused
+    is raised as a PermissionError, also where the learner's code caught the refusal (then
+    the work was not done here)."""
+    _guard_the_call(files)
+    try:
+        value = _the_call(fn, args, kwargs)
+    except Exception as exc:
+        if _REFUSED:  # what the guard refused says more than what it became
+            raise PermissionError(_REFUSED[0]) from exc
+        raise
+    if _REFUSED:
+        raise PermissionError(_REFUSED[0])
+    return value
 
 
 def _the_call(fn, args, kwargs):

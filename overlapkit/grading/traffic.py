@@ -308,17 +308,12 @@ def _run_recording(fn_bytes, args_bytes, forbid, payloads, mine):
         args, kwargs = cloudpickle.loads(args_bytes)
         # the watch can be neither switched off nor fooled by code put back (red team,
         # lab 13): the same guard as a single-process check's, but for the kit's files
-        sealed._guard_the_call(files=False)
         try:
-            value = sealed._the_call(fn, args, {**kwargs, **mine})
+            value = sealed.call_guarded(fn, args, {**kwargs, **mine}, files=False)
         except Exception as exc:
             if ran:  # the answer's own error says less than that it ran
                 raise answers.AnswerRan.on(_rank(), list(ran)) from exc
-            if sealed._REFUSED:  # what the guard refused says more than what it became
-                raise PermissionError(sealed._REFUSED[0]) from exc
             raise
-        if sealed._REFUSED:  # refused, and the refusal swallowed: the work was not done
-            raise PermissionError(sealed._REFUSED[0])
     if ran or traffic.tampered:
         raise answers.AnswerRan.on(_rank(), list(ran) + [answers.RECORD] * traffic.tampered)
     return value, traffic
