@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     bf.add_argument("--units", type=int, default=8, help="Linear+Tanh blocks, one unit each")
     bf.add_argument("--width", type=int, default=1024)
-    bf.add_argument("--batch", type=int, default=256, help="per rank")
+    bf.add_argument("--batch", type=int, default=1024, help="per rank")
     bf.add_argument("--world-size", type=int, default=2)
     bf.add_argument(
         "--link",
@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     bf.add_argument("--reps", type=int, default=5)
     bf.add_argument("--warmup", type=int, default=2)
     bf.add_argument("--no-torch", action="store_true", help="skip torch's fully_shard")
+    bf.add_argument("--png", default=None, help="draw the median steps without and with prefetch")
     bz = which.add_parser(
         "compression", help="fp16, top-k and PowerSGD (with/without error feedback) vs plain"
     )
@@ -268,7 +269,7 @@ def _run(args) -> int:
         run(units=args.units, width=args.width, batch=args.batch, world=args.world_size,
             link=_parse_link(args.link), gather_share=args.gather_share, reps=args.reps,
             warmup=args.warmup, torch_compare=not args.no_torch, csv_path=args.csv,
-            json_path=args.json)  # fmt: skip
+            json_path=args.json, png_path=args.png)  # fmt: skip
     elif args.bench == "compression":
         from .bench.compression import CONFIGS, run
 

@@ -196,10 +196,12 @@ def test_bench_pipeline_reports_bubble_hidden_share_and_predictions(tmp_path):
 def test_bench_fsdp_compares_prefetch_modes_with_ddp_the_model_and_fully_shard(tmp_path):
     out_json = tmp_path / "fsdp.json"
     out = run("-m", "overlapkit", "bench", "fsdp", "--units", "3", "--width", "64", "--batch",
-              "8", "--reps", "1", "--warmup", "1", "--json", str(out_json))  # fmt: skip
+              "8", "--reps", "1", "--warmup", "1", "--json", str(out_json), "--png",
+              str(tmp_path / "fsdp.png"))  # fmt: skip
     data = json.loads(out_json.read_text())
     rows = {r["config"]: r for r in data["rows"]}
     assert list(rows) == ["fsdp none", "fsdp implicit", "fsdp explicit", "ddp"]
+    assert (tmp_path / "fsdp.png").read_bytes()[:4] == b"\x89PNG"
     # without prefetch a unit computes only after its AllGather is over (but for the
     # moment between the wait's return and the communication thread's end mark)
     assert rows["fsdp none"]["x_none"] == 1 and rows["fsdp none"]["fwd_hidden"] < 0.1

@@ -22,7 +22,9 @@ and its error, and in_step_pred_ms (the same model fed with a unit's transfers a
 as timed beside each other on these ranks, ``_time_in_step``) and its error: where the two
 predictions part, the host's share of communication is what the α-β model misses.
 A forward hides at most (units − 1)/units of its AllGathers: the first unit's has no
-compute before it (hence the default of 8 units).
+compute before it (hence the default of 8 units). The default batch (1024 per rank) makes a
+unit's forward ~25 ms here: each transfer pays a few ms of waking its threads on cores
+busy with compute, which at 256 (6 ms units) left 71% of the AllGathers hidden, not 85%.
 
 Then, without a link (gloo's own AllGather and ReduceScatter on both sides): the kit's
 explicit prefetch against ``torch.distributed.fsdp.fully_shard`` on the same units (and
@@ -47,6 +49,7 @@ from .progress import launch_with_progress, slowest
 from .table import format_table, write
 
 CONFIGS = ("fsdp none", "fsdp implicit", "fsdp explicit", "ddp")
+PICTURED = ("fsdp none", "fsdp explicit")  # the two steps ``--png`` draws
 ALPHA = 100e-6  # the link's latency when the bench sizes it
 
 
@@ -220,6 +223,7 @@ def _rank_bench(units, width, batch, reps, warmup, share, compare, progress):
     built = {c: _build(c, units, width, timelines[c]) for c in CONFIGS}
     times = {c: [] for c in CONFIGS}
     extra: dict = {}
+    pictured: dict = {}
     for i in range(warmup + reps):
         for c in CONFIGS:
             wrapper, opt = built[c]
@@ -237,15 +241,44 @@ def _rank_bench(units, width, batch, reps, warmup, share, compare, progress):
                 held = (sum(p.numel() * p.element_size() for p in wrapper.parameters())
                         if c == "ddp" else _fsdp_params(wrapper))  # fmt: skip
                 extra.setdefault(c, []).append((_forward_hidden(tl), tl.busy(COMPUTE), held))
+                if c in PICTURED:  # every timed step's spans: the picture shows the median one
+                    pictured.setdefault(c, []).append(Timeline(runtime.rank(), tl.spans))
             progress.tick()
     gathered = [None] * world
-    dist.all_gather_object(gathered, extra)
+    dist.all_gather_object(gathered, (extra, pictured))
+    pictured = {c: [[g[1][c][i] for g in gathered] for i in range(reps)] for c in PICTURED}
+    gathered = [g[0] for g in gathered]
     p2p.set_link(None)
     theirs = _beside_fully_shard(units, width, x, reps, warmup) if compare else {}
     if runtime.rank() != 0:
         return None
     return {"times": times, "extra": gathered, "block": (forward, backward), "link": link,
-            "unit_bytes": unit_bytes, "in_step": in_step, "torch": theirs}  # fmt: skip
+            "unit_bytes": unit_bytes, "in_step": in_step, "torch": theirs,
+            "pictured": pictured}  # fmt: skip
+
+
+def _picture(times: dict, pictured: dict, path: str) -> None:
+    """The median timed step without and with explicit prefetch, every rank, one above the
+    other on one time axis: the exposed AllGathers (AG) between forwards (F) of the first,
+    hatched under compute in the second."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # a file, whatever backend the caller's session has
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(PICTURED), 1, figsize=(11, 3.2 * len(PICTURED)))
+    for ax, c in zip(axes, PICTURED, strict=True):
+        order = sorted(range(len(times[c])), key=times[c].__getitem__)
+        median = order[len(order) // 2]
+        Timeline.merge(pictured[c][median]).plot(
+            ax=ax, title=f"{c}: step {times[c][median] * 1e3:.0f} ms", labels=False
+        )
+    right = max(ax.get_xlim()[1] for ax in axes)
+    for ax in axes:
+        ax.set_xlim(0, right)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 def _fsdp_params(wrapper: FullyShardedDP) -> int:
@@ -294,9 +327,9 @@ def _beside_fully_shard(units, width, x, reps, warmup) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def run(units: int = 8, width: int = 1024, batch: int = 256, world: int = 2, link=None,
+def run(units: int = 8, width: int = 1024, batch: int = 1024, world: int = 2, link=None,
         gather_share: float = 1.0, reps: int = 5, warmup: int = 2, torch_compare: bool = True,
-        csv_path=None, json_path=None) -> list[dict]:  # fmt: skip
+        csv_path=None, json_path=None, png_path=None) -> list[dict]:  # fmt: skip
     if world < 2:
         raise ValueError(f"bench fsdp needs at least 2 ranks to shard over; got {world}")
     result = launch_with_progress(
@@ -364,6 +397,9 @@ def run(units: int = 8, width: int = 1024, batch: int = 256, world: int = 2, lin
             f"ratio {theirs['kit'] / theirs['torch']:.2f}; parameters differ by at most "
             f"{theirs['gap']:.1e} after {warmup + reps} steps"
         )
+    if png_path:
+        _picture(result["times"], result["pictured"], png_path)
+        print(f"timelines of the median steps without and with explicit prefetch: {png_path}")
     meta = {"bench": "fsdp", "units": units, "width": width, "batch": batch, "world": world,
             "link": str(link), "fully_shard": theirs}  # fmt: skip
     write(rows, csv_path, json_path, meta=meta)
