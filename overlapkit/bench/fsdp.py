@@ -45,6 +45,7 @@ from ..collectives import ring_all_gather, ring_reduce_scatter
 from ..ddp import BucketedDDP
 from ..fsdp import FullyShardedDP
 from ..timeline import COMPUTE, Timeline, intersect, length, union
+from .pictures import median_steps
 from .progress import launch_with_progress, slowest
 from .table import format_table, write
 
@@ -257,30 +258,6 @@ def _rank_bench(units, width, batch, reps, warmup, share, compare, progress):
             "pictured": pictured}  # fmt: skip
 
 
-def _picture(times: dict, pictured: dict, path: str) -> None:
-    """The median timed step without and with explicit prefetch, every rank, one above the
-    other on one time axis: the exposed AllGathers (AG) between forwards (F) of the first,
-    hatched under compute in the second."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # a file, whatever backend the caller's session has
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(PICTURED), 1, figsize=(11, 3.2 * len(PICTURED)))
-    for ax, c in zip(axes, PICTURED, strict=True):
-        order = sorted(range(len(times[c])), key=times[c].__getitem__)
-        median = order[len(order) // 2]
-        Timeline.merge(pictured[c][median]).plot(
-            ax=ax, title=f"{c}: step {times[c][median] * 1e3:.0f} ms", labels=False
-        )
-    right = max(ax.get_xlim()[1] for ax in axes)
-    for ax in axes:
-        ax.set_xlim(0, right)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-
-
 def _fsdp_params(wrapper: FullyShardedDP) -> int:
     memory = wrapper.memory()
     return memory["shards"] + memory["peak_gathered"]
@@ -398,7 +375,7 @@ def run(units: int = 8, width: int = 1024, batch: int = 1024, world: int = 2, li
             f"{theirs['gap']:.1e} after {warmup + reps} steps"
         )
     if png_path:
-        _picture(result["times"], result["pictured"], png_path)
+        median_steps(result["times"], result["pictured"], PICTURED, png_path)
         print(f"timelines of the median steps without and with explicit prefetch: {png_path}")
     meta = {"bench": "fsdp", "units": units, "width": width, "batch": batch, "world": world,
             "link": str(link), "fully_shard": theirs}  # fmt: skip
