@@ -122,6 +122,26 @@ def main(argv: list[str] | None = None) -> int:
     bf.add_argument("--warmup", type=int, default=2)
     bf.add_argument("--no-torch", action="store_true", help="skip torch's fully_shard")
     bf.add_argument("--png", default=None, help="draw the median steps without and with prefetch")
+    bh = which.add_parser(
+        "hybrid", help="2-D mesh (dp × pp): the stages' AllReduce after the flush vs overlapped"
+    )
+    bh.add_argument("--dp", type=int, default=2, help="replicas (data parallel)")
+    bh.add_argument("--pp", type=int, default=2, help="pipeline stages")
+    bh.add_argument("--layers", type=int, default=8, help="Linear+Tanh blocks per stage")
+    bh.add_argument("--width", type=int, default=768)
+    bh.add_argument("--batch", type=int, default=1024, help="per replica")
+    bh.add_argument("--micro", default="1,2", help="micro-batch counts to run (1F1B)")
+    bh.add_argument(
+        "--link",
+        default=None,
+        help="LATENCY_US,BANDWIDTH_GBPS (default: sized so a stage's AllReduce ≈ --share × "
+        "the pipeline's cool-down)",
+    )
+    bh.add_argument("--share", type=float, default=1.0)
+    bh.add_argument("--reps", type=int, default=5)
+    bh.add_argument("--warmup", type=int, default=2)
+    bh.add_argument("--png", default=None, help="draw the median flush and overlapped steps")
+    bh.add_argument("--trace", default=None, help="Perfetto trace of the overlapped step")
     bz = which.add_parser(
         "compression", help="fp16, top-k and PowerSGD (with/without error feedback) vs plain"
     )
@@ -162,14 +182,14 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--transfer-share", type=float, default=1.0)
         p.add_argument("--reps", type=int, default=5)
         p.add_argument("--warmup", type=int, default=1)
-    for p in (bl, bc, bd, bp, bf, bz, bt, bm):
+    for p in (bl, bc, bd, bp, bf, bh, bz, bt, bm):
         p.add_argument("--csv", help="also write the rows to this CSV file")
         p.add_argument("--json", help="also write the rows to this JSON file")
 
     args = parser.parse_args(argv)
     if _quiet_rank():
         # under torchrun every process runs this command; rank 0 alone reports
-        for name in ("csv", "json", "out"):
+        for name in ("csv", "json", "out", "png", "trace"):
             if getattr(args, name, None):
                 setattr(args, name, os.devnull)
         with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
@@ -270,6 +290,14 @@ def _run(args) -> int:
             link=_parse_link(args.link), gather_share=args.gather_share, reps=args.reps,
             warmup=args.warmup, torch_compare=not args.no_torch, csv_path=args.csv,
             json_path=args.json, png_path=args.png)  # fmt: skip
+    elif args.bench == "hybrid":
+        from .bench.hybrid import run
+
+        run(dp=args.dp, pp=args.pp, layers=args.layers, width=args.width, batch=args.batch,
+            micro=[int(m) for m in args.micro.split(",")], link=_parse_link(args.link),
+            share=args.share, reps=args.reps,
+            warmup=args.warmup, csv_path=args.csv, json_path=args.json, png_path=args.png,
+            trace_path=args.trace)  # fmt: skip
     elif args.bench == "compression":
         from .bench.compression import CONFIGS, run
 

@@ -414,6 +414,22 @@ def _comm_stream(device, ready):
         done.event.record(stream)
 
 
+_labels = threading.local()
+
+
+@contextlib.contextmanager
+def labelled(label: str):
+    """Kit collectives issued inside carry ``label`` in what their peers check and in
+    their errors: two ranks that issue same-sized operations in different orders (stage
+    1's bucket 0 on one, bucket 1 on the other) are told which each ran, where the size
+    alone would let their bytes mix."""
+    previous, _labels.label = getattr(_labels, "label", None), label
+    try:
+        yield
+    finally:
+        _labels.label = previous
+
+
 _cuda_streams: dict = {}
 _executors: dict = {}
 _executors_lock = threading.Lock()
@@ -433,6 +449,9 @@ def _run(name: str, fn, tensor: torch.Tensor, group, async_op: bool, check: bool
     peers). ``operands``: the caller's (tensor, written?) pairs; an async op guards them
     while in flight (:mod:`overlapkit.inflight`) and works on what the guard gives it."""
     thread = threading.current_thread().name
+    label = getattr(_labels, "label", None)
+    if label:
+        name = f"{name} [{label}]"
     signature, description = _describe_call(name, tensor, op, extra, thread)
     call = (group, signature, description, check)
     what = description.split(",")[0]

@@ -23,10 +23,16 @@ _unwaited: dict = {}
 _lock = threading.Lock()
 
 
+# decorators' and context managers' frames between a kit call and its caller
+# (torch.no_grad() on a kit method, a ``with`` exiting into kit code)
+_WRAPPERS = (os.sep + "contextlib.py", os.sep + "_contextlib.py")
+
+
 def _caller() -> tuple[str, int] | None:
     """(file, line) of the first caller outside overlapkit (the learner's line)."""
     frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    while frame is not None and (frame.f_code.co_filename.startswith(_PACKAGE)
+                                 or frame.f_code.co_filename.endswith(_WRAPPERS)):  # fmt: skip
         frame = frame.f_back
     return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
 

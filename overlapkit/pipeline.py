@@ -153,16 +153,19 @@ class PipelineStage:
     # ------------------------------------------------------------ the step
     def step(self, inputs=None, targets=None, loss_fn=None, micro_batches: int = 1,
              schedule: str = "1f1b", overlap: bool = True, timeline=None,
-             extra_warmup: int = 0) -> StepResult:  # fmt: skip
+             extra_warmup: int = 0, around=None) -> StepResult:  # fmt: skip
         """Run one training step's forwards and backwards (gradients accumulate into the
         stage module's ``.grad``; call the optimizer after). Stage 0 gives ``inputs``; the
         last stage gives ``targets`` and ``loss_fn(output, target)`` (a mean over samples).
-        ``extra_warmup``: see :func:`make_schedule`."""
+        ``extra_warmup``: see :func:`make_schedule`. ``around(i, action, plan)``, if
+        given, returns a context manager each action ``plan[i]`` runs in, its sends issued
+        (how ``ok.hybrid`` times the data-parallel AllReduce of a stage)."""
         run = _Run(self, schedule, micro_batches, overlap, timeline, extra_warmup)
         try:
             run.start(inputs, targets, loss_fn)
-            for action in run.plan:
-                (run.forward if action.op == "F" else run.backward)(action.micro)
+            for i, action in enumerate(run.plan):
+                with around(i, action, run.plan) if around else contextlib.nullcontext():
+                    (run.forward if action.op == "F" else run.backward)(action.micro)
             run.finish()
         except BaseException:
             run.abandon()

@@ -33,6 +33,14 @@ from . import runtime
 COMPUTE = "compute"
 COMM = "comm"
 _LANE_COLORS = {COMPUTE: "#4C72B0", COMM: "#DD8452"}
+
+
+def is_comm(lane: str) -> bool:
+    """``"comm"``, or a communication lane of one group (``"comm dp"``, ``"comm pp"``):
+    what the overlap metrics count and the pictures hatch where hidden under compute."""
+    return lane == COMM or lane.startswith(COMM + " ")
+
+
 _OTHER_COLORS = ["#55A868", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C", "#CCB974"]
 
 
@@ -218,6 +226,10 @@ class Timeline:
             if (rank is None or s.rank == rank) and (lane is None or s.lane == lane)
         ]
 
+    def _comm(self, rank: int) -> list[tuple[float, float]]:
+        """The rank's communication time, every comm lane together."""
+        return union((s.start, s.end) for s in self.select(rank) if is_comm(s.lane))
+
     # ---------------------------------------------------------------- metrics
     def busy(self, lane: str, rank: int | None = None) -> float:
         """Seconds during which ``lane`` had at least one span (overlaps counted once)."""
@@ -242,7 +254,7 @@ class Timeline:
         """
 
         def one(r):
-            comm = self.busy(COMM, r)
+            comm = length(self._comm(r))
             if comm == 0:
                 return None
             return (self.busy(COMPUTE, r) + comm - self.wall(r)) / comm
@@ -253,7 +265,7 @@ class Timeline:
         """Exact share of communication time during which the rank was also computing."""
 
         def one(r):
-            comm = union((s.start, s.end) for s in self.select(r, COMM))
+            comm = self._comm(r)
             total = length(comm)
             if total == 0:
                 return None
@@ -268,7 +280,7 @@ class Timeline:
             {
                 "rank": r,
                 "T_comp": self.busy(COMPUTE, r),
-                "T_comm": self.busy(COMM, r),
+                "T_comm": length(self._comm(r)),
                 "T_wall": self.wall(r),
                 "overlap_ratio": self.overlap_ratio(r),
                 "hidden_fraction": self.hidden_fraction(r),
@@ -323,7 +335,7 @@ class Timeline:
             ax.broken_barh(
                 bars, (y - 0.38, 0.76), facecolors=colors[lane], edgecolor="white", lw=0.5
             )
-            if lane == COMM:  # hatch the parts that were hidden under compute
+            if is_comm(lane):  # hatch the parts that were hidden under compute
                 comm = union((s.start, s.end) for s in mine)
                 comp = union((s.start, s.end) for s in self.select(r, COMPUTE))
                 hidden = [((a - t0) * 1e3, (b - a) * 1e3) for a, b in intersect(comm, comp)]
@@ -357,7 +369,7 @@ class Timeline:
             fig.tight_layout()
             return fig
         handles = [Patch(color=colors[lane], label=lane) for lane in self.lanes]
-        if any(lane == COMM for _, lane in rows):
+        if any(is_comm(lane) for _, lane in rows):
             handles.append(
                 Patch(
                     facecolor="none",

@@ -193,6 +193,24 @@ def test_bench_pipeline_reports_bubble_hidden_share_and_predictions(tmp_path):
     assert "torch.distributed.pipelining" in out
 
 
+def test_bench_hybrid_compares_allreduce_starts_on_a_mesh_with_hot_spots(tmp_path):
+    out_json = tmp_path / "hybrid.json"
+    out = run("-m", "overlapkit", "bench", "hybrid", "--layers", "2", "--width", "32",
+              "--batch", "8", "--micro", "1,2", "--reps", "1", "--warmup", "1", "--json",
+              str(out_json), "--png", str(tmp_path / "h.png"), "--trace",
+              str(tmp_path / "h.trace.json"))  # fmt: skip
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [(r["micro"], r["config"]) for r in rows] == [
+        (m, c) for m in (1, 2) for c in ("flush", "after", "overlap")
+    ]
+    for r in rows:
+        assert r["step_ms"] > 0 and r["predicted_ms"] > 0 and r["limit"] in ("link", "machine")
+        assert r["config"] != "flush" or r["dp_hidden"] == 0  # after the flush: nothing hides
+    assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
+    assert "traceEvents" in json.loads((tmp_path / "h.trace.json").read_text())
+    assert "hot spots of the median overlapped step" in out and "against a cool-down" in out
+
+
 def test_bench_fsdp_compares_prefetch_modes_with_ddp_the_model_and_fully_shard(tmp_path):
     out_json = tmp_path / "fsdp.json"
     out = run("-m", "overlapkit", "bench", "fsdp", "--units", "3", "--width", "64", "--batch",
