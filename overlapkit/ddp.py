@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from . import costmodel, p2p, runtime
 from .builtin import builtin_all_reduce
-from .collectives import buckets_by_size, labelled, ring_all_reduce
+from .collectives import buckets_by_size, ring_all_reduce
 from .compression import Compressor
 from .handles import Done
 
@@ -164,13 +164,6 @@ class _DataParallel(torch.nn.Module):
             previous()._detach()  # the newest wrapper of a module owns its gradients
         object.__setattr__(module, "_overlapkit_ddp", weakref.ref(self))
         self._no_sync = 0
-        #: True: full buckets wait for ``launch_ready()`` (or the finish) instead of
-        #: launching from the backward's hooks (a pipeline stage sends its input's gradient
-        #: first, then reduces: ``ok.hybrid``)
-        self.defer_launch = False
-        #: a name the buckets' kit collectives carry, so that ranks issuing them in
-        #: different orders are told which bucket each ran (``collectives.labelled``)
-        self.label: str | None = None
         self._sync_buffers_next = True
         self._reset("idle")
 
@@ -234,7 +227,6 @@ class _DataParallel(torch.nn.Module):
         self._arrived: list[int] = []  # this step's gradients, in the order they came
         self._unused_here: list = []  # (parameter, its reduced gradient) without .grad here
         self._next = 0
-        self._launched: set[int] = set()  # buckets launched out of order (launch_bucket)
         self._inflight: list = []
         self._backward_start = self._backward_end = None
 
@@ -294,37 +286,14 @@ class _DataParallel(torch.nn.Module):
         self._got.add(i)
         self._arrived.append(i)
         self._pending[self._bucket_of[i]] -= 1
-        if self.overlap and not self.defer_launch:
+        if self.overlap:
             self._launch_ready()
-
-    def launch_ready(self) -> None:
-        """Launch the buckets whose gradients are all ready and that are not launched yet
-        (in bucket order), now: with ``defer_launch``, the caller decides when."""
-        self._launch_ready()
 
     def _launch_ready(self) -> None:
         """Launch full buckets, in bucket order: a full bucket waits for earlier ones."""
         while self._next < len(self.buckets) and self._pending[self._next] == 0:
-            if self._next not in self._launched:
-                self._launch(self._next)
+            self._launch(self._next)
             self._next += 1
-
-    def launch_bucket(self, b: int) -> None:
-        """Launch bucket ``b`` now, whatever the order (with ``defer_launch``: a schedule
-        that decides which bucket goes when). Every rank of the group must launch the
-        same buckets in the same order."""
-        if not 0 <= b < len(self.buckets):
-            raise ValueError(f"bucket {b} does not exist: there are {len(self.buckets)}")
-        if b in self._launched or b < self._next:
-            raise ValueError(f"bucket {b} was already launched this step")
-        if self._pending[b]:
-            names = [self._names[i] for i in self.buckets[b] if i not in self._got]
-            raise RuntimeError(
-                f"bucket {b} launched before its gradients were ready: {names} still "
-                "to come (launch it after the backward that completes them)"
-            )
-        self._launched.add(b)
-        self._launch(b)
 
     @torch.no_grad()
     def _launch(self, b: int):
@@ -364,8 +333,7 @@ class _DataParallel(torch.nn.Module):
                 shapes=[self._order[i].shape for i in idx],
             )
         else:
-            with labelled(f"{self.label} bucket {b}") if self.label else contextlib.nullcontext():
-                handle = self._reduce(flat) or Done()
+            handle = self._reduce(flat) or Done()
         if self.timeline is not None:
             # a bucket of one gradient is named after its parameter
             name = self._names[idx[0]] if len(idx) == 1 else f"bucket {b}"
@@ -398,8 +366,7 @@ class _DataParallel(torch.nn.Module):
                 self._finish(*self._inflight.pop())
         else:
             for b in range(self._next, len(self.buckets)):
-                if b not in self._launched:
-                    self._launch(b)
+                self._launch(b)
             for b, flat, handle in self._inflight:
                 self._finish(b, flat, handle)
         self._settle_unused()

@@ -7,9 +7,9 @@ A mesh of ``dp × pp`` ranks (PyTorch's ``init_device_mesh``, dimensions ``("dp"
             ↓  [ 2  3 ]   replicas  (dp groups): {0, 2} {1, 3}  — one stage's gradients
 
 Each rank runs stage ``s`` of pipeline replica ``d``: its activations travel along its pp
-group (``ok.PipelineStage``), its gradients are averaged over its dp group
-(``ok.BucketedDDP``), each group on its own communication worker, so both kinds of traffic
-can be in flight at once. The question this module measures is *when* a stage starts its
+group (``ok.PipelineStage``), its gradients are averaged over its dp group in buckets (the
+kit's ring), each group on its own communication worker, so both kinds of traffic can be in
+flight at once. The question this module measures is *when* a stage starts its
 data-parallel AllReduce::
 
     flush      s0 |F0|F1|  |B0|F2|B1|  |B2|[AR s0 ......]
@@ -17,14 +17,17 @@ data-parallel AllReduce::
     overlap    s0 |F0|F1|  |B0|F2|B1|  |B2|[AR]        buckets as B2's gradients fill them
                s1    |F0|B0|F1|B1|F2|B2|[AR s1 ......]   during s0's cool-down
 
-A stage's gradients are complete after its *last* micro-batch's backward: every earlier
-backward only accumulates (``no_sync``). With ``dp_start="overlap"`` the first stage launches
-each bucket as that backward fills it (as DDP does); a later stage launches its buckets right
-after that backward's input gradient is on its way to the previous stage, which waits for it
-(on a link shared by both groups, an AllReduce sent first would delay the pipeline). With
-``"flush"`` every stage waits until the whole pipeline has drained (a barrier of its pp
-group), then reduces; with ``"after"`` every stage launches its buckets once its own last
-backward (and its send) is done, none during it. ``costmodel.hybrid_step`` predicts them.
+A stage's gradients are complete after its *last* micro-batch's backward: every backward
+accumulates into ``.grad``, and a bucket reduced any earlier misses what follows. A step is a
+*plan*: the stage's pipeline actions with the data-parallel events between them
+(:meth:`HybridStage.run_plan`; :func:`plan_for` writes the kit's three). With
+``dp_start="overlap"`` the first stage launches each bucket as that backward fills it (as
+DDP does); a later stage launches its buckets right after that backward's input gradient is
+on its way to the previous stage, which waits for it (on a link shared by both groups, an
+AllReduce sent first would delay the pipeline). With ``"flush"`` every stage waits until the
+whole pipeline has drained (a barrier of its pp group), then reduces; with ``"after"``
+every stage launches its buckets once its own last backward (and its send) is done, none
+during it. ``costmodel.hybrid_step`` predicts them.
 
 The kit's buckets carry their stage and index (``collectives.labelled``): two replicas that
 issue them in different orders get an error naming both ranks and both buckets, never each
@@ -40,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from . import runtime
-from .ddp import BucketedDDP
-from .pipeline import PipelineStage, StepResult
+from .collectives import buckets_by_size, labelled, ring_all_reduce
+from .pipeline import PipelineStage, StepResult, make_schedule
 from .timeline import COMM, COMPUTE, Timeline, intersect, length, union
 
 DP_STARTS = ("flush", "after", "overlap")
@@ -87,121 +90,246 @@ def make_mesh(dp: int, pp: int) -> Mesh:
 
 @dataclass
 class HybridResult:
-    """One step on this rank: the pipeline's result, when the data-parallel AllReduce was
-    launched and when it was over (``time.perf_counter`` seconds; None with dp = 1)."""
+    """One step on this rank: the pipeline's result, the plan it ran, when its first
+    data-parallel AllReduce was launched and when the last was over (``Timeline.now()``
+    seconds; None with dp = 1)."""
 
     pipeline: StepResult
-    dp_start: str
+    plan: list[str]
     reduce_launched: float | None
     reduce_done: float | None
 
 
+class PlanError(ValueError):
+    """A hybrid plan that cannot run: the message names the action and the rule."""
+
+
+def plan_for(dp_start: str, actions: list[str], stage: int, buckets: int) -> list[str]:
+    """The plan of one of the kit's AllReduce starts for a stage whose pipeline actions are
+    ``actions`` ("F k" / "B k", in its schedule's order) and which has ``buckets`` buckets::
+
+        flush     F 0 … B m−1  flush  reduce 0 … reduce n−1  finish
+        after     F 0 … B m−1         reduce 0 … reduce n−1  finish
+        overlap   stage 0:  F 0 … B m−1 ready  finish   (each bucket as B m−1 fills it)
+                  later:    as "after" (the input gradient leaves first)
+    """
+    if dp_start not in DP_STARTS:
+        raise ValueError(f"dp_start must be one of {DP_STARTS}, got {dp_start!r}")
+    plan = list(actions)
+    if not buckets:
+        return plan + ["finish"]
+    if dp_start == "overlap" and stage == 0:
+        return plan[:-1] + [plan[-1] + " ready", "finish"]
+    reduces = [f"reduce {b}" for b in range(buckets)]
+    return plan + (["flush"] if dp_start == "flush" else []) + reduces + ["finish"]
+
+
 class HybridStage:
     """Stage ``mesh.stage`` of pipeline replica ``mesh.replica``: ``module`` is this stage's
-    piece of the model (the same piece, with the same initial weights, on every replica:
-    replica 0's are broadcast, as DDP does). ``bucket_mb``, ``all_reduce``: as
-    ``ok.BucketedDDP``'s (the kit's ring by default, so that issue order is checked).
-    ``step()`` runs one training step; call the optimizer on ``parameters()`` after."""
+    piece of the model (replica 0's weights are broadcast over the dp group, as DDP does).
+    Its gradients are averaged over the replicas in buckets of ``bucket_mb`` MiB (in the
+    order backward produces them), each with the kit's ring (``all_reduce="ring"``, over
+    the link; its messages say which stage and bucket, so replicas issuing them in
+    different orders are told) or the built-in (``"builtin"``). ``step()`` runs one
+    training step by one of the kit's plans, ``run_plan()`` by yours; call the optimizer on
+    ``parameters()`` after."""
 
     def __init__(self, module: torch.nn.Module, mesh: Mesh, bucket_mb: float | None = 25,
-                 all_reduce="ring"):  # fmt: skip
-        self.module, self.mesh = module, mesh
-        self.ddp = None
-        if mesh.dp > 1:
-            self.ddp = BucketedDDP(module, bucket_mb, all_reduce=all_reduce, group=mesh.dp_group)
-            self.ddp.label = f"stage {mesh.stage}"
-        inner = self.ddp if self.ddp is not None else module
-        self.pipe = PipelineStage(inner, stage=mesh.stage, stages=mesh.pp, ranks=mesh.pp_ranks)
+                 all_reduce: str = "ring"):  # fmt: skip
+        if all_reduce not in ("ring", "builtin"):
+            raise ValueError(f"all_reduce must be 'ring' or 'builtin', got {all_reduce!r}")
+        self.module, self.mesh, self.all_reduce = module, mesh, all_reduce
+        self._order = [p for p in reversed(list(module.parameters())) if p.requires_grad]
+        self.buckets: list[list[torch.nn.Parameter]] = []
+        if mesh.dp > 1 and self._order:
+            with torch.no_grad():  # every replica starts from replica 0's weights
+                for p in module.parameters():
+                    dist.broadcast(p, src=mesh.dp_ranks[0], group=mesh.dp_group)
+            groups = buckets_by_size(self._order, 1e9 if bucket_mb is None else bucket_mb)
+            self.buckets = [[self._order[i] for i in idx] for idx in groups]
+        self.pipe = PipelineStage(module, stage=mesh.stage, stages=mesh.pp, ranks=mesh.pp_ranks)
 
     def parameters(self):
         return self.module.parameters()
 
+    def actions(self, micro_batches: int, schedule: str = "1f1b") -> list[str]:
+        """This stage's pipeline actions for one step, in order: "F k" and "B k"."""
+        plan = make_schedule(schedule, self.mesh.pp, micro_batches)[self.mesh.stage]
+        return [f"{a.op} {a.micro}" for a in plan]
+
     def step(self, inputs=None, targets=None, loss_fn=None, micro_batches: int = 1,
-             schedule: str = "1f1b", dp_start: str = "overlap", bucket_order=None,
+             schedule: str = "1f1b", dp_start: str = "overlap",
              timeline: Timeline | None = None) -> HybridResult:  # fmt: skip
-        """Forwards and backwards of every micro-batch along the pipeline, then this stage's
-        gradients averaged over its replicas, the AllReduce started as ``dp_start`` says.
-        ``bucket_order``: the order this stage launches its buckets in where they wait
-        for a moment (``"flush"``, ``"after"``, and the later stages in ``"overlap"``;
-        default: bucket order); every replica of the stage must give the same one.
-        ``timeline`` gets compute spans, the pipeline's transfers on lane ``"comm pp"`` and
-        the buckets' AllReduces on ``"comm dp"``."""
-        if dp_start not in DP_STARTS:
-            raise ValueError(f"dp_start must be one of {DP_STARTS}, got {dp_start!r}")
-        ddp = self.ddp
-        order = self._check_order(bucket_order, dp_start)
+        """One step by the plan ``plan_for(dp_start, ...)``: see :meth:`run_plan`."""
+        m = 1 if schedule == "sequential" else micro_batches
+        plan = plan_for(dp_start, self.actions(m, schedule), self.mesh.stage, len(self.buckets))
+        return self.run_plan(plan, inputs, targets, loss_fn, micro_batches, schedule, timeline)
+
+    def run_plan(self, plan, inputs=None, targets=None, loss_fn=None, micro_batches: int = 1,
+                 schedule: str = "1f1b", timeline=None) -> HybridResult:  # fmt: skip
+        """Run one step's pipeline actions ("F k", "B k", in the schedule's order) with the
+        data-parallel events ``plan`` puts between them:
+
+        * ``"B k ready"``: that backward launches each bucket's AllReduce as soon as its
+          gradients are complete (DDP's hooks);
+        * ``"reduce b"``: launch bucket b's AllReduce now (after the action before it,
+          whose sends are issued), from the gradients accumulated so far;
+        * ``"flush"``: wait until the whole pipeline has drained (a barrier of the pp group);
+        * ``"finish"``: wait for every AllReduce; the averages land in ``.grad``.
+
+        Every backward accumulates into ``.grad``; a bucket reduced before a later backward
+        misses that backward's gradient (and the plan check says so). ``timeline``: compute
+        spans, the pipeline's transfers on lane ``"comm pp"`` and the AllReduces on
+        ``"comm dp"``."""
+        m = 1 if schedule == "sequential" else micro_batches
+        steps, after = _parse_plan(plan, self.actions(m, schedule), len(self.buckets))
         pp_tl = None if timeline is None else Timeline(runtime.rank())
-        dp_tl = None if timeline is None else Timeline(runtime.rank())
-        launched: list[float] = []
-        if ddp is not None:
-            ddp.timeline = dp_tl
-            # the first stage's buckets go as its last backward fills them; the others wait
-            # for that backward's send, and "flush" for the whole pipeline
-            ddp.defer_launch = dp_start != "overlap" or self.mesh.stage > 0
+        run = _Reductions(self, timeline)
 
-        def around(i, action, plan):
-            if ddp is None:
-                return contextlib.nullcontext()
-            last = max(j for j, a in enumerate(plan) if a.op == "B")
-            if i != last:
-                return ddp.no_sync()  # only accumulate: micro-batches still to come
-            return self._last_backward(ddp, dp_start, order, launched)
+        @contextlib.contextmanager
+        def around(i, action, schedule_plan):
+            hooks = run.watch() if steps[i][1] else []
+            try:
+                yield
+            finally:
+                for h in hooks:
+                    h.remove()
+            if steps[i][1]:
+                run.launch_rest()  # a bucket of parameters this backward did not reach
+            for event in after[i]:
+                run.do(event)
 
-        try:
-            result = self.pipe.step(inputs, targets, loss_fn, micro_batches, schedule,
-                                    timeline=pp_tl, around=around)  # fmt: skip
-            done = None
-            if ddp is not None:
-                if dp_start == "flush":
-                    dist.barrier(group=self.mesh.pp_group)  # the pipeline has drained
-                    launched.append(Timeline.now())
-                    for b in order:
-                        ddp.launch_bucket(b)
-                ddp.finish_gradient_synchronization()
-                done = Timeline.now()
-        finally:
-            if ddp is not None:
-                ddp.timeline, ddp.defer_launch = None, False
+        result = self.pipe.step(inputs, targets, loss_fn, micro_batches, schedule,
+                                timeline=pp_tl, around=around)  # fmt: skip
+        run.finish()
         if timeline is not None:
             _relane(timeline, pp_tl, {COMM: PP_LANE})
-            _relane(timeline, dp_tl, {COMM: DP_LANE}, keep={COMM})  # its compute: ours already
-        return HybridResult(result, dp_start, launched[0] if launched else None, done)
+        return HybridResult(result, list(plan), run.first, run.done)
 
-    def _check_order(self, bucket_order, dp_start: str) -> list[int]:
-        ddp = self.ddp
-        if ddp is None:
-            return []
-        n = len(ddp.buckets)
-        if bucket_order is None:
-            return list(range(n))
-        if dp_start == "overlap" and self.mesh.stage == 0:
-            raise ValueError(
-                "stage 0 launches its buckets as its last backward fills them with "
-                "dp_start='overlap': bucket_order applies where buckets wait ('after', 'flush')"
-            )
-        order = list(bucket_order)
-        if sorted(order) != list(range(n)) or not all(isinstance(b, int) for b in order):
-            raise ValueError(
-                f"stage {self.mesh.stage} (rank {runtime.rank()}): bucket_order must list each "
-                f"of its {n} buckets once (0 … {n - 1}), got {order}"
-            )
-        return order
 
-    @contextlib.contextmanager
-    def _last_backward(self, ddp, dp_start: str, order: list[int], launched: list):
-        """Around the last backward: its gradients complete the stage's; after it (its input
-        gradient's send issued), a deferred stage launches its buckets, unless flushing."""
-        start = Timeline.now()
-        yield
-        if dp_start == "flush":
-            return
-        if ddp.defer_launch:
-            launched.append(Timeline.now())
-            for b in order:
-                ddp.launch_bucket(b)
+class _Reductions:
+    """The AllReduces of one step's buckets on one rank."""
+
+    def __init__(self, stage: HybridStage, timeline):
+        self.st, self.timeline = stage, timeline
+        self.inflight: dict[int, tuple] = {}  # bucket -> (flat, handle)
+        self.first = self.done = None
+
+    def watch(self) -> list:
+        """Hooks that launch a bucket once this backward has given all its gradients."""
+        left = {b: len(ps) for b, ps in enumerate(self.st.buckets)}
+        where = {id(p): b for b, ps in enumerate(self.st.buckets) for p in ps}
+
+        def arrived(p):
+            b = where[id(p)]
+            left[b] -= 1
+            if not left[b]:
+                self.launch(b)
+
+        return [p.register_post_accumulate_grad_hook(arrived) for p in self.st._order]
+
+    def launch_rest(self) -> None:
+        for b in range(len(self.st.buckets)):
+            if b not in self.inflight:
+                self.launch(b)
+
+    @torch.no_grad()
+    def launch(self, b: int) -> None:
+        st = self.st
+        params = st.buckets[b]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in params])  # fmt: skip
+        if self.first is None:
+            self.first = Timeline.now()
+        with labelled(f"stage {st.mesh.stage} bucket {b}"):
+            if st.all_reduce == "ring":
+                handle = ring_all_reduce(flat, op="avg", group=st.mesh.dp_group, async_op=True)
+            else:
+                handle = dist.all_reduce(flat, group=st.mesh.dp_group, async_op=True)
+        if self.timeline is not None:
+            handle = self.timeline.track(f"bucket {b}", handle, DP_LANE)
+        self.inflight[b] = (flat, handle)
+
+    def do(self, event: tuple) -> None:
+        if event[0] == "reduce":
+            self.launch(event[1])
+        elif event[0] == "flush":
+            dist.barrier(group=self.st.mesh.pp_group)
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        st = self.st
+        for b, (flat, handle) in self.inflight.items():
+            handle.wait()
+            if st.all_reduce == "builtin":
+                flat.div_(st.mesh.dp)
+            offset = 0
+            for p in st.buckets[b]:
+                part = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is None:
+                    p.grad = part.clone()
+                else:
+                    p.grad.copy_(part)
+        if self.inflight:
+            self.done = Timeline.now()
+
+
+def _parse_plan(plan, actions: list[str], buckets: int):
+    """(per pipeline action: (its text, launches as ready?), per pipeline action: the
+    events after it), or PlanError naming the first action that cannot run."""
+    if isinstance(plan, str) or not hasattr(plan, "__iter__"):
+        raise PlanError(f"a plan is a list of actions (strings), not {type(plan).__name__}")
+    steps, after, reduced, finished = [], [], set(), False
+    for i, raw in enumerate(plan, start=1):
+        where = f"action {i} {raw!r}"
+        if not isinstance(raw, str):
+            raise PlanError(f"{where}: each action is a string such as 'B 1' or 'reduce 0'")
+        words = raw.split()
+        if finished:
+            raise PlanError(f"{where} comes after 'finish', which ends the step")
+        if words and words[0] in ("F", "B"):
+            ready = words[-1] == "ready"
+            text = " ".join(words[:-1] if ready else words)
+            k = len(steps)
+            if k >= len(actions) or text != actions[k]:
+                want = actions[k] if k < len(actions) else "nothing more: every action ran"
+                order = " ".join(a.replace(" ", "") for a in actions)
+                raise PlanError(f"{where}: the schedule runs {want!r} here (its actions, in "
+                                f"order: {order})")  # fmt: skip
+            if ready and text[0] != "B":
+                raise PlanError(f"{where}: only a backward launches AllReduces as it goes")
+            steps.append((text, ready))
+            after.append([])
+            continue
+        if not steps:
+            raise PlanError(f"{where}: nothing to reduce before the first pipeline action")
+        if words[:1] == ["reduce"] and len(words) == 2 and words[1].isdigit():
+            b = int(words[1])
+            if b >= buckets:
+                raise PlanError(f"{where}: there is no bucket {b} (buckets 0 … {buckets - 1})")
+            if b in reduced:
+                raise PlanError(f"{where}: bucket {b} is reduced twice")
+            reduced.add(b)
+            after[-1].append(("reduce", b))
+        elif words == ["flush"]:
+            after[-1].append(("flush",))
+        elif words == ["finish"]:
+            finished = True
         else:
-            launched.append(start)
-            ddp.launch_ready()
+            raise PlanError(f"{where}: not an action ('F k', 'B k', 'B k ready', 'reduce b', "
+                            "'flush', 'finish')")  # fmt: skip
+    if len(steps) < len(actions):
+        raise PlanError(f"the plan stops before the schedule's {actions[len(steps)]!r}")
+    readies = [i for i, (_, r) in enumerate(steps) if r]
+    if len(readies) > 1 or (readies and reduced):
+        raise PlanError("each bucket is reduced once: one 'B k ready' launches them all")
+    if not finished:
+        raise PlanError("the plan never says 'finish': the AllReduces are never waited for")
+    if buckets and not readies and len(reduced) < buckets:
+        missing = sorted(set(range(buckets)) - reduced)
+        raise PlanError(f"bucket(s) {missing} never reduced")
+    return steps, after
 
 
 def _relane(into: Timeline, source: Timeline, lanes: dict, keep: set | None = None) -> None:

@@ -76,11 +76,13 @@ def _reversed_on_one_replica():
     mesh = hybrid.make_mesh(2, 2)
     piece = _model()[mesh.stage * 2 : (mesh.stage + 1) * 2]
     stage = hybrid.HybridStage(piece, mesh, bucket_mb=1e-9)  # a bucket per tensor
-    order = list(range(len(stage.ddp.buckets)))
+    order = list(range(len(stage.buckets)))
+    if mesh.replica == 1:
+        order.reverse()
+    plan = stage.actions(2) + [f"reduce {b}" for b in order] + ["finish"]
     x, y = _data()
-    stage.step(x if mesh.stage == 0 else None, y if mesh.stage == 1 else None,
-               torch.nn.functional.mse_loss, micro_batches=2, dp_start="after",
-               bucket_order=order if mesh.replica == 0 else order[::-1])  # fmt: skip
+    stage.run_plan(plan, x if mesh.stage == 0 else None, y if mesh.stage == 1 else None,
+                   torch.nn.functional.mse_loss, micro_batches=2)  # fmt: skip
 
 
 def test_replicas_launching_buckets_in_different_orders_are_told_which_each_ran(
@@ -89,31 +91,46 @@ def test_replicas_launching_buckets_in_different_orders_are_told_which_each_ran(
     with pytest.raises(Exception) as info:
         ok.launch(_reversed_on_one_replica, world_size=4, timeout=60)
     text = str(info.value)
-    # stage 0's replicas are ranks 0 and 2: both named, with the bucket each ran
-    assert "rank 0 and rank 2 disagree" in text or "rank 2 and rank 0 disagree" in text
-    assert "[stage 0 bucket 0]" in text and "[stage 0 bucket 3]" in text
+    # stage 0's replicas are ranks 0 and 2 (or stage 1's, 1 and 3): both named, with the
+    # bucket each ran
+    assert any(
+        f"rank {a} and rank {b} disagree" in text for a, b in ((0, 2), (2, 0), (1, 3), (3, 1))
+    )
+    assert "bucket 0]" in text and "bucket 3]" in text
 
 
-def _bad(kind):
+def _bad(kind, plan=None):
     if kind == "shape":
         hybrid.make_mesh(3, 2)
     mesh = hybrid.make_mesh(2, 1)
-    stage = hybrid.HybridStage(_model(), mesh)
+    stage = hybrid.HybridStage(_model(), mesh, bucket_mb=1e-9)
     x, y = _data()
-    if kind == "order":
-        stage.step(x, y, torch.nn.functional.mse_loss, dp_start="after", bucket_order=[0, 0])
     if kind == "start":
         stage.step(x, y, torch.nn.functional.mse_loss, dp_start="later")
+    stage.run_plan(plan, x, y, torch.nn.functional.mse_loss, micro_batches=2)
 
 
-@pytest.mark.parametrize("kind,message", [
-    ("shape", "a 3 × 2 mesh has 6 ranks, but 2 are running"),
-    ("order", r"bucket_order must list each of its 1 buckets once \(0 … 0\), got \[0, 0\]"),
-    ("start", "dp_start must be one of"),
+@pytest.mark.parametrize("kind,plan,message", [
+    ("shape", None, "a 3 × 2 mesh has 6 ranks, but 2 are running"),
+    ("start", None, "dp_start must be one of"),
+    ("plan", ["F 0", "B 0", "F 1", "B 1", "reduce 9", "finish"], "there is no bucket 9"),
+    ("plan", ["F 1", "F 0"], "action 1 'F 1': the schedule runs 'F 0' here"),
+    ("plan", ["F 0", "B 0", "F 1", "B 1 ready"], "never says 'finish'"),
+    ("plan", ["F 0", "B 0", "F 1", "B 1", "reduce 0", "finish"], r"bucket\(s\) \[1, 2, "),
+    ("plan", ["F 0", "B 0 ready", "F 1", "B 1 ready", "finish"], "one 'B k ready'"),
 ])  # fmt: skip
-def test_bad_input_is_named(kind, message, no_leftover_ranks):
+def test_bad_input_is_named(kind, plan, message, no_leftover_ranks):
     with pytest.raises(Exception, match=message):
-        ok.launch(_bad, kind, world_size=2, timeout=60)
+        ok.launch(_bad, kind, plan, world_size=2, timeout=60)
+
+
+def test_the_kits_plans_say_when_each_stage_reduces():
+    actions = ["F 0", "F 1", "B 0", "B 1"]
+    assert hybrid.plan_for("flush", actions, 1, 2) == [*actions, "flush", "reduce 0",
+                                                       "reduce 1", "finish"]  # fmt: skip
+    assert hybrid.plan_for("after", actions, 0, 2) == [*actions, "reduce 0", "reduce 1", "finish"]
+    assert hybrid.plan_for("overlap", actions, 0, 2) == [*actions[:-1], "B 1 ready", "finish"]
+    assert hybrid.plan_for("overlap", actions, 1, 2) == hybrid.plan_for("after", actions, 1, 2)
 
 
 def test_the_cores_model_is_the_pipeline_model_when_every_rank_has_a_core():
