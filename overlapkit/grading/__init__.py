@@ -16,6 +16,7 @@ from .lab10 import check_tuning
 from .lab11 import check_ag_matmul, check_chunked_moe
 from .lab12 import check_fsdp_plan
 from .lab13 import check_topk_with_feedback
+from .lab14 import check_hybrid_plan, check_mesh_groups
 from .pipeline import check_1f1b_schedule, check_gpipe_step
 from .report import Report
 
@@ -43,6 +44,8 @@ POINTS = {
     "check_chunked_moe": 5,
     "check_fsdp_plan": 5,
     "check_topk_with_feedback": 5,
+    "check_mesh_groups": 2,
+    "check_hybrid_plan": 5,
 }
 
 __all__ = [
@@ -69,4 +72,6 @@ __all__ = [
     "check_chunked_moe",
     "check_fsdp_plan",
     "check_topk_with_feedback",
+    "check_mesh_groups",
+    "check_hybrid_plan",
 ]

@@ -1,0 +1,279 @@
+"""Checks for lab 14: a 2-D mesh's groups, and when each pipeline stage reduces its gradients.
+
+``mesh_groups(dp, pp)`` returns ``(pipelines, replicas)``: the pp groups (each the global
+ranks of one pipeline replica, stage 0 first) and the dp groups (each the ranks holding one
+stage, replica 0 first), laid out as ``init_device_mesh(..., (dp, pp))`` lays them: rank
+d·pp + s is stage s of replica d. Judged on fixed shapes and two drawn at random, with the
+likely mistakes named (the mesh transposed, the two lists swapped, a stage order reversed).
+
+``hybrid_plan(actions, stage, stages, buckets)`` returns one stage's plan for a step: its
+pipeline ``actions`` ("F k" / "B k", in its schedule's order) with the data-parallel events
+between them ("B k ready", "reduce b", "flush", "finish": ``ok.hybrid.HybridStage.run_plan``).
+A plan is judged by its rules, not against one plan (the buckets may go in any order):
+
+* the pipeline actions as given, in order; every bucket reduced once; "finish" last;
+* no bucket reduced (and no "ready") before the stage's last backward: each backward adds
+  its micro-batch's gradient, and a bucket sent earlier misses it;
+* stage 0's last backward is the pipeline's last action: nothing after it to hide a
+  reduction under, so it launches each bucket as that backward fills it ("B k ready");
+* a later stage reduces right after its last backward, whose input gradient stage s − 1
+  waits for: buckets launched during it ("ready") go out ahead of that gradient on a link
+  both groups share; "flush" waits for the whole pipeline and hides nothing;
+* the same arguments give the same plan (every replica must issue its buckets in one order).
+
+Then the plans for a 2 × 2 mesh run on 4 ranks for two SGD steps (``run_plan``), whose
+parameters must equal one process's training on the whole batch.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+
+import torch
+
+from ..launcher import launch
+from ..pipeline import make_schedule
+from . import answers
+from .common import Unfinished, call_or_report
+from .report import Report
+from .sealed import seal
+
+MESHES = [(2, 2), (1, 4), (4, 1), (2, 3)]
+#: two more are drawn each time
+DRAWN_MESHES = [(d, p) for d in range(1, 7) for p in range(1, 7) if (d, p) not in MESHES]
+#: (stages, micro-batches, schedule, buckets): the stages each get a plan
+PLANS = [(2, 2, "1f1b", 4), (2, 4, "gpipe", 1), (3, 4, "1f1b", 3)]
+DRAWN_PLANS = [(p, m, s, b) for p in (2, 3, 4) for m in (1, 2, 3, 5, 8) for s in ("1f1b", "gpipe")
+               for b in (1, 2, 5, 9) if (p, m, s, b) not in PLANS]  # fmt: skip
+
+
+def expected_groups(dp: int, pp: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The pp groups and dp groups of ``init_device_mesh(..., (dp, pp))``."""
+    return ([[d * pp + s for s in range(pp)] for d in range(dp)],
+            [[d * pp + s for d in range(dp)] for s in range(pp)])  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the mesh
+
+
+def check_mesh_groups(mesh_groups) -> Report:
+    """Check ``mesh_groups(dp, pp)`` → ``(pipelines, replicas)`` (module docstring)."""
+    report = Report("mesh_groups")
+    mesh_groups = seal(mesh_groups)
+    shapes = [*MESHES, *random.SystemRandom().sample(DRAWN_MESHES, 2)]
+    with answers.running(answers.of("check_mesh_groups")) as ran:
+        got = []
+        for dp, pp in shapes:
+            try:
+                got.append(((dp, pp), *call_or_report(report, f"{dp} × {pp}", mesh_groups, dp, pp)))
+            except Unfinished:
+                return report
+    if ran:
+        report.fail(f"your function {answers.said(ran)}")
+        return report
+    for (dp, pp), called, value in got:
+        if not called:
+            continue
+        what = f"{dp} × {pp}" if (dp, pp) in MESHES else "a mesh shape drawn at random"
+        problem = judge_groups(value, dp, pp)
+        report.check(problem is None, f"{what}: the pipelines and replicas of init_device_mesh",
+                     f"{dp} × {pp} (dp × pp): {problem}")  # fmt: skip
+    return report
+
+
+def _as_groups(value) -> list[list[int]] | None:
+    try:
+        groups = [[int(r) for r in g] for g in value]
+    except (TypeError, ValueError):
+        return None
+    same = all(isinstance(r, int) and not isinstance(r, bool) for g in value for r in g)
+    return groups if same else None
+
+
+def judge_groups(value, dp: int, pp: int) -> str | None:
+    """What is wrong with ``value`` as (pipelines, replicas) of a dp × pp mesh, or None."""
+    pipes, reps = expected_groups(dp, pp)
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        return "return a pair (pipelines, replicas): two lists of groups of ranks"
+    got = [_as_groups(v) for v in value]
+    if any(g is None for g in got):
+        return "each of pipelines and replicas is a list of groups, each a list of int ranks"
+    mine_p, mine_r = got
+    if (mine_p, mine_r) == (pipes, reps):
+        return None
+    transposed = expected_groups(pp, dp)[::-1]  # rank = s·dp + d
+    if (mine_p, mine_r) == (reps, pipes) and pipes != reps:
+        return (f"pipelines and replicas swapped{' (or the mesh transposed)' if dp == pp else ''}"
+                f": you gave the pipelines as {mine_p}, but a pipeline is one replica's "
+                f"stages, consecutive ranks: {pipes}")  # fmt: skip
+    if (mine_p, mine_r) == transposed and transposed != (pipes, reps):
+        return (
+            f"the mesh transposed: with rank = d·pp + s (dp the outer dimension, as "
+            f"init_device_mesh lays out (dp, pp)), the pipelines are {pipes}, not {mine_p}"
+        )
+    for name, mine, want in (("pipelines", mine_p, pipes), ("replicas", mine_r, reps)):
+        if mine == want:
+            continue
+        if sorted(map(sorted, mine)) == sorted(map(sorted, want)):
+            bad = next(g for g in mine if g not in want)
+            return (f"{name}: the right ranks, out of order ({bad}): a pipeline lists stage "
+                    "0 first, a replica group replica 0 first, and the groups go in that "
+                    f"order too: {want}")  # fmt: skip
+        if len(mine) != len(want):
+            return f"{name}: {len(mine)} groups, a {dp} × {pp} mesh has {len(want)}: {want}"
+        flat = [r for g in mine for r in g]
+        if sorted(flat) != list(range(dp * pp)):
+            out = sorted(set(flat) - set(range(dp * pp)))
+            twice = sorted({r for r in flat if flat.count(r) > 1})
+            detail = (f"rank(s) {out} do not exist (ranks 0 … {dp * pp - 1})" if out else
+                      f"rank(s) {twice} in two groups" if twice else "a rank missing")  # fmt: skip
+            return f"{name}: every rank in exactly one group; {detail}. Want {want}"
+        return f"{name}: {mine}, want {want}"
+    return None
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def stage_actions(stages: int, micro: int, schedule: str, stage: int) -> list[str]:
+    return [f"{a.op} {a.micro}" for a in make_schedule(schedule, stages, micro)[stage]]
+
+
+def check_hybrid_plan(hybrid_plan) -> Report:
+    """Check ``hybrid_plan(actions, stage, stages, buckets)`` (module docstring)."""
+    report = Report("hybrid_plan")
+    hybrid_plan = seal(hybrid_plan)
+    cases = [*PLANS, *random.SystemRandom().sample(DRAWN_PLANS, 2)]
+    quiet = Report(report.exercise, file=io.StringIO())
+    got = []
+    with answers.running(answers.of("check_hybrid_plan")) as ran:
+        for p, m, schedule, b in cases:
+            for s in range(p):
+                acts = stage_actions(p, m, schedule, s)
+                what = f"stage {s} of {p}, {m} micro-batches ({schedule}), {b} bucket(s)"
+                try:
+                    called, plan = call_or_report(quiet, what, hybrid_plan, list(acts), s, p, b)
+                    again = call_or_report(quiet, what, hybrid_plan, list(acts), s, p, b)[1]
+                except Unfinished:
+                    report.fail(quiet.cases[-1][1])
+                    return report
+                drawn = (p, m, schedule, b) not in PLANS
+                said = quiet.cases[-1][1] if not called else None
+                if said and "cannot pickle 'generator'" in said:
+                    said = f"{what}: return a list of actions, not a generator: list(...) of it"
+                got.append((what, drawn, acts, s, b, plan, again, said))
+    if ran:
+        report.fail(f"your function {answers.said(ran)}")
+        return report
+    runnable, cases_ok = {}, {}
+    for what, drawn, acts, s, b, plan, again, said in got:
+        case = (drawn, what.split(" of ")[1].split(",")[0], what.split(", ", 1)[1])
+        if said:
+            report.fail(said)
+            cases_ok[case] = False
+            continue
+        problem = judge_plan(plan, acts, s, b)
+        if problem is None and list(plan) != list(again):
+            problem = (f"two calls with the same arguments gave different plans ({plan} and "
+                       f"{again}): every replica of a stage must issue its AllReduces in "
+                       "one order, or their buckets meet the wrong partner")  # fmt: skip
+        if problem is None:
+            runnable[what] = plan
+            cases_ok.setdefault(case, True)
+        else:
+            report.fail(f"{what}: {problem}")
+            cases_ok[case] = False
+    for (drawn, stages, rest), fine in cases_ok.items():
+        if fine:  # a drawn case passes in the same words each time
+            report.ok(f"{'a case drawn at random' if drawn else f'{stages} stages, {rest}'}: "
+                      "every stage's plan keeps every rule")  # fmt: skip
+    key = [w for w, *_ in got if w.endswith("2 micro-batches (1f1b), 4 bucket(s)")]
+    if all(k in runnable for k in key):
+        _run_on_ranks(report, [runnable[k] for k in key])
+    else:
+        report.fail("2 × 2 mesh, 2 SGD steps on 4 ranks: not run, a plan of the 2-stage "
+                    "case broke a rule (above)")  # fmt: skip
+    return report
+
+
+def judge_plan(plan, actions: list[str], stage: int, buckets: int) -> str | None:
+    """The first broken rule of ``plan`` for a stage with these pipeline ``actions`` and
+    ``buckets``, in words, or None."""
+    from ..hybrid import PlanError, _parse_plan  # noqa: PLC0415
+
+    try:
+        steps, after = _parse_plan(plan, actions, buckets)
+    except PlanError as exc:
+        return str(exc)
+    last = max(i for i, (text, _) in enumerate(steps) if text.startswith("B"))
+    for i, ((text, ready), events) in enumerate(zip(steps, after, strict=True)):
+        later = [t for t, _ in steps[i + 1 :] if t.startswith("B")]
+        if i < last and (ready or any(e[0] == "reduce" for e in events)):
+            sent = "launches every bucket as it fills" if ready else (
+                f"reduces bucket {next(e[1] for e in events if e[0] == 'reduce')}")  # fmt: skip
+            return (f"'{text}{' ready' if ready else ''}' {sent}, but {later[0]!r} (micro-"
+                    f"batch {later[0].split()[1]}) still adds its gradient: a bucket sent "
+                    "before the last backward misses what follows")  # fmt: skip
+    if any(e[0] == "flush" for e in after[last]):
+        return ("'flush' waits for the whole pipeline before reducing: the AllReduce then "
+                "hides under nothing (that is the baseline section 3 measures)")  # fmt: skip
+    text, ready = steps[last]
+    if stage == 0 and buckets and not ready:
+        return (f"stage 0's last backward ({text!r}) is the pipeline's last action: after it "
+                "nothing computes, so reductions launched after it are all exposed. Launch "
+                f"each bucket as it fills: '{text} ready'")  # fmt: skip
+    if stage > 0 and ready:
+        return (f"'{text} ready' launches buckets during the backward, ahead of the gradient "
+                f"that backward sends to stage {stage - 1}, which waits for it (one link "
+                "carries both groups' bytes). Reduce right after it: 'reduce b' lines "
+                f"after {text!r}")  # fmt: skip
+    return None
+
+
+def _model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(6, 6) for _ in range(4)])
+
+
+def _train_by_plans(plans):
+    """Two SGD steps of a 2 × 2 mesh by the stages' plans; the largest difference from one
+    process's training on the whole batch, or the plan's error."""
+    import overlapkit as ok  # noqa: PLC0415
+
+    mesh = ok.hybrid.make_mesh(2, 2)
+    piece = _model()[2 * mesh.stage : 2 * mesh.stage + 2]
+    stage = ok.hybrid.HybridStage(piece, mesh, bucket_mb=1e-9)  # a bucket per tensor: 4
+    alone = _model()
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    ref = torch.optim.SGD(alone.parameters(), lr=0.1)
+    loss = torch.nn.functional.mse_loss
+    for step in range(2):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 6, generator=gen)
+        mine = slice(4 * mesh.replica, 4 * mesh.replica + 4)
+        try:
+            stage.run_plan(plans[mesh.stage], x[mine] if mesh.stage == 0 else None,
+                           y[mine] if mesh.stage == 1 else None, loss, micro_batches=2)  # fmt: skip
+        except ok.hybrid.PlanError as exc:
+            return str(exc)
+        opt.step()
+        opt.zero_grad()
+        loss(alone(x), y).backward()
+        ref.step()
+        ref.zero_grad()
+    want = list(alone.parameters())[4 * mesh.stage : 4 * mesh.stage + 4]
+    return max((a - b).abs().max().item() for a, b in zip(stage.parameters(), want, strict=True))
+
+
+def _run_on_ranks(report: Report, plans) -> None:
+    what = "2 × 2 mesh, your plans on 4 ranks (2 SGD steps)"
+    results = launch(_train_by_plans, [list(p) for p in plans], world_size=4, timeout=60)
+    bad = next((r for r in results if isinstance(r, str)), None)
+    if bad is not None:
+        report.fail(f"{what}: {bad}")
+        return
+    gap = max(results)
+    report.check(gap <= 1e-5,
+                 f"{what}: the parameters equal one process's training on the whole batch",
+                 f"{what}: the parameters differ from one process's by {gap:.3g}")  # fmt: skip

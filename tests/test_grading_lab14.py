@@ -1,0 +1,246 @@
+"""Lab 14's checks name a learner's typical mistakes in a mesh's groups and in a stage's plan
+of when to reduce, every time, and pass the right answers, in any valid bucket order."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+
+import overlapkit as ok
+from overlapkit.grading import lab14
+from overlapkit.grading.report import Report
+
+pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
+
+
+# --------------------------------------------------------------------------- the mesh
+
+
+def groups_right(dp, pp):
+    return ([[d * pp + s for s in range(pp)] for d in range(dp)],
+            [[d * pp + s for d in range(dp)] for s in range(pp)])  # fmt: skip
+
+
+def groups_by_stride(dp, pp):
+    """Also right: the replicas as strided slices of the ranks."""
+    ranks = list(range(dp * pp))
+    return [ranks[d * pp : (d + 1) * pp] for d in range(dp)], [ranks[s::pp] for s in range(pp)]
+
+
+def groups_transposed(dp, pp):  # rank = s·dp + d
+    return ([[s * dp + d for s in range(pp)] for d in range(dp)],
+            [[s * dp + d for d in range(dp)] for s in range(pp)])  # fmt: skip
+
+
+def groups_swapped(dp, pp):
+    pipelines, replicas = groups_right(dp, pp)
+    return replicas, pipelines
+
+
+def stages_reversed(dp, pp):
+    pipelines, replicas = groups_right(dp, pp)
+    return [p[::-1] for p in pipelines], replicas
+
+
+def off_by_one(dp, pp):  # ranks counted from 1
+    pipelines, replicas = groups_right(dp, pp)
+    return [[r + 1 for r in g] for g in pipelines], [[r + 1 for r in g] for g in replicas]
+
+
+def one_pipeline_only(dp, pp):
+    pipelines, replicas = groups_right(dp, pp)
+    return pipelines[:1], replicas
+
+
+def floats(dp, pp):
+    pipelines, replicas = groups_right(dp, pp)
+    return [[float(r) for r in g] for g in pipelines], replicas
+
+
+def asks_torch_for_the_mesh(dp, pp):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
+    return mesh.mesh.tolist(), mesh.mesh.T.tolist()
+
+
+def _check_groups(fn) -> Report:
+    with contextlib.redirect_stdout(io.StringIO()):
+        return ok.grading.check_mesh_groups(fn)
+
+
+@pytest.mark.parametrize("fn", [groups_right, groups_by_stride])
+def test_the_meshs_groups_pass_every_shape(fn):
+    report = _check_groups(fn)
+    assert report.all_passed and len(report.cases) == 6, report.cases
+
+
+@pytest.mark.parametrize("fn, words", [
+    (groups_transposed, "the mesh transposed: with rank = d·pp + s"),
+    (groups_swapped, "pipelines and replicas swapped"),
+    (stages_reversed, "the right ranks, out of order"),
+    (off_by_one, "do not exist"),
+    (one_pipeline_only, "1 groups, a 2 × 2 mesh has 2"),
+    (floats, "each a list of int ranks"),
+])  # fmt: skip
+def test_each_typical_mistake_in_the_groups_is_named_on_the_fixed_shapes(fn, words):
+    fixed = [lab14.judge_groups(fn(dp, pp), dp, pp) for dp, pp in lab14.MESHES]
+    assert any(v is not None and words in v for v in fixed), fixed
+    for dp, pp in lab14.DRAWN_MESHES:  # where it fails by chance, in words too
+        verdict = lab14.judge_groups(fn(dp, pp), dp, pp)
+        assert verdict is None or verdict.startswith(("the mesh", "pipelines", "replicas",
+                                                      "each"))  # fmt: skip
+
+
+def test_asking_torch_for_the_mesh_inside_the_check_is_a_named_crash():
+    report = _check_groups(asks_torch_for_the_mesh)
+    assert not report.all_passed
+    assert all("raised" in m for passed, m in report.cases if not passed), report.cases
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def right(actions, stage, stages, buckets):
+    plan = list(actions)
+    if stage == 0:
+        return plan[:-1] + [plan[-1] + " ready", "finish"]
+    return plan + [f"reduce {b}" for b in range(buckets)] + ["finish"]
+
+
+def buckets_backwards(actions, stage, stages, buckets):
+    """Also right: any bucket order, the same on every call."""
+    if stage == 0:
+        return right(actions, stage, stages, buckets)
+    return list(actions) + [f"reduce {b}" for b in reversed(range(buckets))] + ["finish"]
+
+
+def reduces_after_each_backward(actions, stage, stages, buckets):
+    plan, b = [], 0
+    for a in actions:
+        plan.append(a)
+        if a.startswith("B") and b < buckets:
+            plan.append(f"reduce {b}")
+            b += 1
+    return plan + [f"reduce {k}" for k in range(b, buckets)] + ["finish"]
+
+
+def ready_on_the_first_backward(actions, stage, stages, buckets):
+    first = next(i for i, a in enumerate(actions) if a.startswith("B"))
+    return [a + (" ready" if i == first else "") for i, a in enumerate(actions)] + ["finish"]
+
+
+def flushes_first(actions, stage, stages, buckets):
+    return list(actions) + ["flush"] + [f"reduce {b}" for b in range(buckets)] + ["finish"]
+
+
+def stage0_after_its_backward(actions, stage, stages, buckets):
+    return list(actions) + [f"reduce {b}" for b in range(buckets)] + ["finish"]
+
+
+def every_stage_ready(actions, stage, stages, buckets):
+    return list(actions[:-1]) + [actions[-1] + " ready", "finish"]
+
+
+def no_finish(actions, stage, stages, buckets):
+    return right(actions, stage, stages, buckets)[:-1]
+
+
+def one_bucket_only(actions, stage, stages, buckets):
+    if stage == 0:
+        return right(actions, stage, stages, buckets)
+    return list(actions) + ["reduce 0", "finish"]
+
+
+def random_bucket_order(actions, stage, stages, buckets):
+    import random
+
+    if stage == 0:
+        return right(actions, stage, stages, buckets)
+    order = list(range(buckets))
+    random.shuffle(order)
+    return list(actions) + [f"reduce {b}" for b in order] + ["finish"]
+
+
+def gpipe_order(actions, stage, stages, buckets):
+    forwards = [a for a in actions if a.startswith("F")]
+    backwards = [a for a in actions if a.startswith("B")]
+    return right(forwards + backwards, stage, stages, buckets)
+
+
+def reduce_before_anything(actions, stage, stages, buckets):
+    return [f"reduce {b}" for b in range(buckets)] + list(actions) + ["finish"]
+
+
+def yields_the_actions(actions, stage, stages, buckets):
+    yield from right(actions, stage, stages, buckets)
+
+
+def asks_the_kit(actions, stage, stages, buckets):
+    return ok.hybrid.plan_for("overlap", actions, stage, buckets)
+
+
+def asks_the_checks_judge(actions, stage, stages, buckets):
+    for plan in (right(actions, stage, stages, buckets), []):
+        if lab14.judge_plan(plan, actions, stage, buckets) is None:
+            return plan
+    return []
+
+
+def _check_plan(fn) -> Report:
+    with contextlib.redirect_stdout(io.StringIO()):
+        return ok.grading.check_hybrid_plan(fn)
+
+
+@pytest.mark.parametrize("fn", [right, buckets_backwards])
+def test_right_plans_pass_every_case_and_train_as_one_process_on_four_ranks(fn):
+    report = _check_plan(fn)
+    assert report.all_passed, report.cases
+    assert any("on 4 ranks" in m and "equal one process" in m for _, m in report.cases)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (reduces_after_each_backward, "still adds its gradient: a bucket sent before the last"),
+    (ready_on_the_first_backward, "launches every bucket as it fills, but"),
+    (flushes_first, "'flush' waits for the whole pipeline"),
+    (stage0_after_its_backward, "stage 0's last backward"),
+    (every_stage_ready, "ahead of the gradient that backward sends to stage 0"),
+    (no_finish, "never says 'finish'"),
+    (one_bucket_only, "never reduced"),
+    (gpipe_order, "the schedule runs"),
+    (reduce_before_anything, "nothing to reduce before the first pipeline action"),
+])  # fmt: skip
+def test_each_typical_mistake_in_a_plan_is_named_in_every_case_it_breaks(fn, words):
+    fixed = []
+    for p, m, schedule, b in lab14.PLANS:
+        for s in range(p):
+            acts = lab14.stage_actions(p, m, schedule, s)
+            fixed.append(lab14.judge_plan(fn(acts, s, p, b), acts, s, b))
+    assert any(v is not None and words in v for v in fixed), fixed
+
+
+@pytest.mark.parametrize("fn, words", [
+    (random_bucket_order, "two calls with the same arguments gave different plans"),
+    (yields_the_actions, "not a generator"),
+    (asks_the_kit, "your function"),
+    (asks_the_checks_judge, "your function"),
+])  # fmt: skip
+def test_the_check_names_the_mistake_whatever_the_function_returns_or_calls(fn, words):
+    report = _check_plan(fn)
+    failed = [m for passed, m in report.cases if not passed]
+    assert failed and any(words in m for m in failed), report.cases
+
+
+def test_a_plan_that_breaks_a_rule_is_not_run_and_the_report_says_so():
+    report = _check_plan(no_finish)
+    assert report.cases[-1] == (False, "2 × 2 mesh, 2 SGD steps on 4 ranks: not run, a plan "
+                                       "of the 2-stage case broke a rule (above)")  # fmt: skip
+
+
+def test_the_run_on_ranks_finds_a_bucket_reduced_too_early_in_the_parameters():
+    acts = [lab14.stage_actions(2, 2, "1f1b", s) for s in (0, 1)]
+    plans = [reduces_after_each_backward(a, s, 2, 4) for s, a in enumerate(acts)]
+    gaps = ok.launch(lab14._train_by_plans, plans, world_size=4, timeout=60)
+    assert max(gaps) > 1e-3  # the reductions miss micro-batch 1's gradient
