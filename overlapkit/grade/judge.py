@@ -40,7 +40,8 @@ from .processes import descendants, end_new_processes
 #: build one pays it on its rank)
 LIGHT = frozenset({"check_fit_alpha_beta", "check_bytes_moved", "check_memory_per_rank",
                    "check_assign_buckets", "check_1f1b_schedule", "check_ping_pong",
-                   "check_all_reduce", "check_topk_with_feedback", "check_mesh_groups"})  # fmt: skip
+                   "check_all_reduce", "check_topk_with_feedback",
+                   "check_mesh_groups"})  # fmt: skip
 
 _RUNNER = r"""
 import ctypes, os, sys
