@@ -146,6 +146,13 @@ def _lab13(world):
     return None, None
 
 
+def _lab14(world):
+    from .bench.hybrid import run  # noqa: PLC0415
+
+    run(micro=(1, 2), reps=3, warmup=1)
+    return None, None
+
+
 LABS = {
     "00": ("ping-pong and the α-β fit", _lab00),
     "01": ("the kit's collectives: time and busbw", _lab01_03),
@@ -161,6 +168,7 @@ LABS = {
     "11": ("decomposed tensor-parallel matmuls and the pipelined MoE", _lab11),
     "12": ("fully sharded steps: no, implicit and explicit prefetch, against DDP", _lab12),
     "13": ("compressed gradient averaging: fp16, top-k and PowerSGD, against plain", _lab13),
+    "14": ("a 2 x 2 mesh: the stages' AllReduce after the flush, or in the cool-down", _lab14),
 }
 
 
