@@ -347,3 +347,17 @@ def wait_unless_stuck(wait, stuck, step_s: float = 0.05):
             return wait(timeout=step_s)
         except TimeoutError:
             stuck()
+
+
+def judge_against_one_process(report: Report, what: str, results, tol: float = 1e-5) -> None:
+    """The verdict on a plan trained on ranks: ``results`` holds each rank's error message
+    (a str: the first one fails) or its largest parameter difference from one process's
+    training on the whole batch (every one within ``tol`` passes)."""
+    bad = next((r for r in results if isinstance(r, str)), None)
+    if bad is not None:
+        report.fail(f"{what}: {bad}")
+        return
+    gap = max(results)
+    report.check(gap <= tol,
+                 f"{what}: the parameters equal one process's training on the whole batch",
+                 f"{what}: the parameters differ from one process's by {gap:.3g}")  # fmt: skip

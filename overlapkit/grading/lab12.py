@@ -38,7 +38,7 @@ import torch
 from ..fsdp import FullyShardedDP, PlanError
 from ..launcher import launch
 from . import answers
-from .common import Unfinished, call_or_report
+from .common import Unfinished, call_or_report, judge_against_one_process
 from .report import Report
 from .sealed import seal
 
@@ -316,11 +316,4 @@ def _train_by_plan(plan):
 def _run_on_ranks(report: Report, plan) -> None:
     what = "4 units, prefetch 1, run on 2 ranks (2 SGD steps)"
     results = launch(_train_by_plan, list(plan), world_size=2, timeout=60)
-    bad = next((r for r in results if isinstance(r, str)), None)
-    if bad is not None:
-        report.fail(f"{what}: {bad}")
-        return
-    gap = max(results)
-    report.check(gap <= 1e-5,
-                 f"{what}: the parameters equal one process's training on the whole batch",
-                 f"{what}: the parameters differ from one process's by {gap:.3g}")  # fmt: skip
+    judge_against_one_process(report, what, results)

@@ -35,7 +35,7 @@ import torch
 from ..launcher import launch
 from ..pipeline import make_schedule
 from . import answers
-from .common import Unfinished, call_or_report
+from .common import Unfinished, call_or_report, judge_against_one_process
 from .report import Report
 from .sealed import seal
 
@@ -269,11 +269,4 @@ def _train_by_plans(plans):
 def _run_on_ranks(report: Report, plans) -> None:
     what = "2 × 2 mesh, your plans on 4 ranks (2 SGD steps)"
     results = launch(_train_by_plans, [list(p) for p in plans], world_size=4, timeout=60)
-    bad = next((r for r in results if isinstance(r, str)), None)
-    if bad is not None:
-        report.fail(f"{what}: {bad}")
-        return
-    gap = max(results)
-    report.check(gap <= 1e-5,
-                 f"{what}: the parameters equal one process's training on the whole batch",
-                 f"{what}: the parameters differ from one process's by {gap:.3g}")  # fmt: skip
+    judge_against_one_process(report, what, results)
