@@ -59,6 +59,10 @@ def floats(dp, pp):
     return [[float(r) for r in g] for g in pipelines], replicas
 
 
+def yields_the_groups(dp, pp):
+    yield from groups_right(dp, pp)
+
+
 def asks_torch_for_the_mesh(dp, pp):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -92,6 +96,12 @@ def test_each_typical_mistake_in_the_groups_is_named_on_the_fixed_shapes(fn, wor
         verdict = lab14.judge_groups(fn(dp, pp), dp, pp)
         assert verdict is None or verdict.startswith(("the mesh", "pipelines", "replicas",
                                                       "each"))  # fmt: skip
+
+
+def test_a_generator_of_groups_is_told_to_return_lists():
+    report = _check_groups(yields_the_groups)
+    failed = [m for passed, m in report.cases if not passed]
+    assert failed and all("not a generator" in m for m in failed), report.cases
 
 
 def test_asking_torch_for_the_mesh_inside_the_check_is_a_named_crash():
@@ -189,6 +199,78 @@ def asks_the_checks_judge(actions, stage, stages, buckets):
     return []
 
 
+# red team (lab 14): the kit's plan_for by other doors
+
+
+def plan_for_with_its_globals_aliased(actions, stage, stages, buckets):
+    """plan_for's body pasted, each global it reads reached through another name."""
+    return _aliased("overlap", list(actions), stage, buckets)
+
+
+S_, E_, L_, R_ = ok.hybrid.DP_STARTS, ValueError, list, range
+
+
+def _aliased(dp_start, actions, stage, buckets):
+    if dp_start not in S_:
+        raise E_(f"dp_start must be one of {S_}, got {dp_start!r}")
+    plan = L_(actions)
+    if not buckets:
+        return plan + ["finish"]
+    if dp_start == "overlap" and stage == 0:
+        return plan[:-1] + [plan[-1] + " ready", "finish"]
+    reduces = [f"reduce {b}" for b in R_(buckets)]
+    return plan + (["flush"] if dp_start == "flush" else []) + reduces + ["finish"]
+
+
+def rebinds_the_watchs_copy_finder(actions, stage, stages, buckets):
+    import types
+
+    import overlapkit.grading.answers as watch
+
+    watch._copy_of = lambda code, shapes: None
+    renamed = ok.hybrid.plan_for.__code__.replace(co_name="pf", co_qualname="pf")
+    return types.FunctionType(renamed, vars(ok.hybrid))("overlap", actions, stage, buckets)
+
+
+def takes_the_originals_from_the_watchs_closure(actions, stage, stages, buckets):
+    """The profiler's closure holds the answers' original code and its cache of verdicts:
+    mark the originals 'not an answer' there, then run one."""
+    import sys
+    import types
+
+    found, todo = {}, [sys.getprofile()]
+    while todo:
+        f = todo.pop()
+        for var, cell in zip(f.__code__.co_freevars, f.__closure__ or (), strict=False):
+            found.setdefault(var, cell.cell_contents)
+            if isinstance(cell.cell_contents, types.FunctionType):
+                todo.append(cell.cell_contents)
+    originals = [entry[0] for entry in ok.grading.answers._tokens_of.values()]
+    for code in originals:
+        found["known"][id(code)] = (code, None)
+    code = next(c for c in originals if c.co_name == "plan_for")
+    return types.FunctionType(code, vars(ok.hybrid))("overlap", actions, stage, buckets)
+
+
+def asks_the_garbage_collector_for_the_watch(actions, stage, stages, buckets):
+    import gc
+
+    [f for f in gc.get_objects() if getattr(f, "__name__", "") == "watch"]
+    return right(actions, stage, stages, buckets)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (plan_for_with_its_globals_aliased, "ran ok.hybrid.plan_for (an edited copy"),
+    (rebinds_the_watchs_copy_finder, "ran ok.hybrid.plan_for"),
+    (takes_the_originals_from_the_watchs_closure, "ran ok.hybrid.plan_for"),
+    (asks_the_garbage_collector_for_the_watch, "gc.get_objects"),
+])  # fmt: skip
+def test_the_kits_plan_by_another_door_fails(fn, words):
+    report = _check_plan(fn)
+    failed = [m for passed, m in report.cases if not passed]
+    assert failed and any(words in m for m in failed), report.cases
+
+
 def _check_plan(fn) -> Report:
     with contextlib.redirect_stdout(io.StringIO()):
         return ok.grading.check_hybrid_plan(fn)
@@ -202,7 +284,7 @@ def test_right_plans_pass_every_case_and_train_as_one_process_on_four_ranks(fn):
 
 
 @pytest.mark.parametrize("fn, words", [
-    (reduces_after_each_backward, "still adds its gradient: a bucket sent before the last"),
+    (reduces_after_each_backward, "reduces after 'B 0', but 'B 1' (micro-batch 1) still adds"),
     (ready_on_the_first_backward, "launches every bucket as it fills, but"),
     (flushes_first, "'flush' waits for the whole pipeline"),
     (stage0_after_its_backward, "stage 0's last backward"),
@@ -210,7 +292,7 @@ def test_right_plans_pass_every_case_and_train_as_one_process_on_four_ranks(fn):
     (no_finish, "never says 'finish'"),
     (one_bucket_only, "never reduced"),
     (gpipe_order, "the schedule runs"),
-    (reduce_before_anything, "nothing to reduce before the first pipeline action"),
+    (reduce_before_anything, "reduces before any backward"),
 ])  # fmt: skip
 def test_each_typical_mistake_in_a_plan_is_named_in_every_case_it_breaks(fn, words):
     fixed = []

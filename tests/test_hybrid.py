@@ -114,7 +114,7 @@ def _bad(kind, plan=None):
     ("shape", None, "a 3 × 2 mesh has 6 ranks, but 2 are running"),
     ("start", None, "dp_start must be one of"),
     ("plan", ["F 0", "B 0", "F 1", "B 1", "reduce 9", "finish"], "there is no bucket 9"),
-    ("plan", ["F 1", "F 0"], "action 1 'F 1': the schedule runs 'F 0' here"),
+    ("plan", ["F 1", "F 0"], r"plan\[0\] 'F 1': the schedule runs 'F 0' here"),
     ("plan", ["F 0", "B 0", "F 1", "B 1 ready"], "never says 'finish'"),
     ("plan", ["F 0", "B 0", "F 1", "B 1", "reduce 0", "finish"], r"bucket\(s\) \[1, 2, "),
     ("plan", ["F 0", "B 0 ready", "F 1", "B 1 ready", "finish"], "one 'B k ready'"),

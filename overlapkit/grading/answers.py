@@ -272,7 +272,9 @@ def _tokens(code: types.CodeType) -> tuple:
         for ins in dis.get_instructions(code):
             if ins.opname in ("RESUME", "NOP", "CACHE", "EXTENDED_ARG"):
                 continue
-            arg = ins.argval if ins.opname in _NAMED else None
+            # a global's name is the learner's to choose (an alias of the kit's own: red
+            # team, lab 14); what it does with it is not
+            arg = ins.argval if ins.opname in _NAMED and ins.opname != "LOAD_GLOBAL" else None
             if not isinstance(arg, (str, int, float, bool, type(None))):
                 arg = type(arg).__name__
             out.append((ins.opname, arg))
@@ -287,7 +289,7 @@ def _shapes(codes: dict) -> list:
     for code, label in codes.items():
         if code.co_filename.startswith(_KIT) and len(_tokens(code)) >= COPY_MIN_TOKENS:
             found.append((_tokens(code), _tokens_of[id(code)][2], frozenset(code.co_names),
-                          label))  # fmt: skip
+                          label, len(code.co_code)))  # fmt: skip
     return found
 
 
@@ -299,14 +301,17 @@ def _copy_of(code: types.CodeType, shapes: list) -> str | None:
         return None
     # the global and attribute names it uses, at no cost: a copy keeps most of the answer's
     # (a lenient half, for renamed imports); torch's own functions, started by the hundred
-    # under a watch, share few, and are let go before the costly disassembly
-    names = set(code.co_names)
-    near = [s for s in shapes if len(names & s[2]) >= 0.5 * len(s[2])]
+    # under a watch, share few, and are let go before the costly disassembly. A copy whose
+    # globals were all renamed (red team, lab 14: plan_for's four through aliases) shares
+    # none but is as long: the length lets it through to the instructions
+    names, size = set(code.co_names), len(code.co_code)
+    near = [s for s in shapes if len(names & s[2]) >= 0.5 * len(s[2])
+            or 0.8 * s[4] <= size <= 1.6 * s[4]]  # fmt: skip
     if not near:
         return None
     mine = _tokens(code)
     counts = _tokens_of[id(code)][2]
-    for theirs, their_counts, _, label in near:
+    for theirs, their_counts, _, label, _ in near:
         if len(mine) < COPIED * len(theirs):
             continue
         # the instructions both have, whatever the order: an upper bound, and cheap
@@ -353,29 +358,34 @@ def _watch(codes: dict, ran: list, before, counter):
     # functions only by identity (a learner's `[p for p in ...]` may well read like the kit's)
     labels = {_key(code): label for code, label in codes.items() if _telling(code)}
     watched = frozenset(labels)
-    shapes = _shapes(codes)  # and a copy edited a little, by what it holds of a long answer
+    shapes = tuple(_shapes(codes))  # and a copy edited a little, by what it holds of a long one
     # id(code) -> (code, its answer's name or None), worked out once per code object: a
     # code object hashes by value (its constants' tuple again on every call), an id does
     # not; the entry keeps the code alive, so that its id is not another's later
     known: dict = {}
     answer_ids = frozenset(id(code) for code in codes)
+    labels_by_id = {id(code): label for code, label in codes.items()}
     trusted = _trusted()
     setprofile, threading_setprofile = sys.setprofile, threading.setprofile.__code__
     ops = _group_ops()
     tick = counter.__next__
 
+    # bound now: the learner's code may rebind the module's names while it runs (red team,
+    # lab 14: answers._copy_of = lambda *a: None), not these
+    key_of, copy_of, telling = _key, _copy_of, _telling
+
     def answer(code):
+        if id(code) in answer_ids:  # before the cache, which the learner's code can reach
+            return labels_by_id.get(id(code), "ok.?")  # (through sys.getprofile's closure)
         entry = known.get(id(code))
         if entry is None:
-            if id(code) in answer_ids:
-                label = codes.get(code, "ok.?")
-            elif id(code) in trusted:  # the kit's other code (a check's own) may do what an
+            if id(code) in trusted:  # the kit's other code (a check's own) may do what an
                 label = None  # answer does, in as many words
             else:
-                key = _key(code)
+                key = key_of(code)
                 label = labels.get(key, "ok.?") if key in watched else None
-                if label is None and _telling(code):
-                    label = _copy_of(code, shapes)
+                if label is None and telling(code):
+                    label = copy_of(code, shapes)
             entry = known[id(code)] = (code, label)
         return entry[1]
 

@@ -60,15 +60,24 @@ def expected_groups(dp: int, pp: int) -> tuple[list[list[int]], list[list[int]]]
 def check_mesh_groups(mesh_groups) -> Report:
     """Check ``mesh_groups(dp, pp)`` → ``(pipelines, replicas)`` (module docstring)."""
     report = Report("mesh_groups")
+    quiet = Report(report.exercise, file=io.StringIO())
     mesh_groups = seal(mesh_groups)
     shapes = [*MESHES, *random.SystemRandom().sample(DRAWN_MESHES, 2)]
     with answers.running(answers.of("check_mesh_groups")) as ran:
         got = []
         for dp, pp in shapes:
             try:
-                got.append(((dp, pp), *call_or_report(report, f"{dp} × {pp}", mesh_groups, dp, pp)))
+                called, value = call_or_report(quiet, f"{dp} × {pp}", mesh_groups, dp, pp)
             except Unfinished:
+                report.fail(quiet.cases[-1][1])
                 return report
+            if not called:
+                said = quiet.cases[-1][1]
+                if "cannot pickle 'generator'" in said:  # the value travels back pickled
+                    said = (f"{dp} × {pp}: return (pipelines, replicas) as lists, not a "
+                            "generator: list(...) of each")  # fmt: skip
+                report.fail(said)
+            got.append(((dp, pp), called, value))
     if ran:
         report.fail(f"your function {answers.said(ran)}")
         return report
@@ -202,19 +211,14 @@ def judge_plan(plan, actions: list[str], stage: int, buckets: int) -> str | None
     ``buckets``, in words, or None."""
     from ..hybrid import PlanError, _parse_plan  # noqa: PLC0415
 
+    early = _reduced_early(plan, actions)
+    if early is not None:
+        return early
     try:
         steps, after = _parse_plan(plan, actions, buckets)
     except PlanError as exc:
         return str(exc)
     last = max(i for i, (text, _) in enumerate(steps) if text.startswith("B"))
-    for i, ((text, ready), events) in enumerate(zip(steps, after, strict=True)):
-        later = [t for t, _ in steps[i + 1 :] if t.startswith("B")]
-        if i < last and (ready or any(e[0] == "reduce" for e in events)):
-            sent = "launches every bucket as it fills" if ready else (
-                f"reduces bucket {next(e[1] for e in events if e[0] == 'reduce')}")  # fmt: skip
-            return (f"'{text}{' ready' if ready else ''}' {sent}, but {later[0]!r} (micro-"
-                    f"batch {later[0].split()[1]}) still adds its gradient: a bucket sent "
-                    "before the last backward misses what follows")  # fmt: skip
     if any(e[0] == "flush" for e in after[last]):
         return ("'flush' waits for the whole pipeline before reducing: the AllReduce then "
                 "hides under nothing (that is the baseline section 3 measures)")  # fmt: skip
@@ -228,6 +232,29 @@ def judge_plan(plan, actions: list[str], stage: int, buckets: int) -> str | None
                 f"that backward sends to stage {stage - 1}, which waits for it (one link "
                 "carries both groups' bytes). Reduce right after it: 'reduce b' lines "
                 f"after {text!r}")  # fmt: skip
+    return None
+
+
+def _reduced_early(plan, actions: list[str]) -> str | None:
+    """A reduction (or "ready") before the stage's last backward, named first: a plan that
+    reduces after every backward also reduces some bucket twice, but the early one is the
+    mistake to fix."""
+    if not isinstance(plan, (list, tuple)) or not all(isinstance(a, str) for a in plan):
+        return None
+    last = actions[max(i for i, a in enumerate(actions) if a.startswith("B"))]
+    where = next((i for i, a in enumerate(plan) if a in (last, f"{last} ready")), len(plan))
+    done = None  # the last backward before the reduction
+    for i, a in enumerate(plan[:where]):
+        if a.startswith("B"):
+            done = a.removesuffix(" ready")
+        still = (f", but {last!r} (micro-batch {last.split()[1]}) still adds its gradient "
+                 "later: a bucket sent before the stage's last backward misses what "
+                 "follows")  # fmt: skip
+        if a.endswith(" ready") and a.startswith("B"):
+            return f"plan[{i}] {a!r} launches every bucket as it fills{still}"
+        if a.startswith("reduce"):
+            when = f"after {done!r}" if done else "before any backward"
+            return f"plan[{i}] {a!r} reduces {when}{still}"
     return None
 
 

@@ -201,7 +201,15 @@ def _the_call(fn, args, kwargs):
     return fn(*args, **kwargs)
 
 
-_GUARDED = ("sys.setprofile", "sys.settrace", "open", "object.__setattr__")
+_GUARDED = (
+    "sys.setprofile",
+    "sys.settrace",
+    "open",
+    "object.__setattr__",
+    "gc.get_objects",
+    "gc.get_referrers",
+    "gc.get_referents",
+)
 #: what the guard refused during the call, in words (a caught refusal still counts)
 _REFUSED: list[str] = []
 
@@ -252,7 +260,13 @@ def _guard_the_call(files: bool = True) -> None:
             return
         elsewhere = threading.get_ident() != main
         if event == "object.__setattr__":
-            if args[1] in ("__code__", "__globals__", "__closure__"):
+            if args[1] in (
+                "__code__",
+                "__globals__",
+                "__closure__",
+                "__defaults__",
+                "__kwdefaults__",
+            ):
                 _REFUSED.append(f"your function set a function's {args[1]}: while it runs, "
                                 "the check's answers keep the code they have")  # fmt: skip
                 raise RuntimeError(_REFUSED[-1])
@@ -278,6 +292,10 @@ def _guard_the_call(files: bool = True) -> None:
                 _REFUSED.append(f"your function opened the kit's own file {path[len(kit) :]}: "
                                 "an exercise is written, not loaded from the kit")  # fmt: skip
                 raise PermissionError(_REFUSED[-1])
+        elif event.startswith("gc."):  # what finds the watch's state by its references
+            _REFUSED.append(f"your function called {event}: an exercise never needs the "
+                            "garbage collector's view of the check")  # fmt: skip
+            raise RuntimeError(_REFUSED[-1])
         elif not (elsewhere and sys._getframe(1).f_code in takes_the_watch_on):
             _REFUSED.append(f"your function called {event}: while it runs, the check's watch "
                             "is the profiler")  # fmt: skip
