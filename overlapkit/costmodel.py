@@ -429,9 +429,9 @@ def hybrid_step(
         flush     every stage at the pipeline's end (its last action anywhere)
         after     each stage at its own last backward's end (+ ``transfer`` for a stage
                   whose input gradient leaves first on a ``shared_link``)
-        overlap   stage 0: ``buckets`` equal buckets, bucket j ready (j+1)/buckets of the way
-                  through its last backward, one after another on its link; the others as
-                  in "after"
+        overlap   the kit's overlapped plan (``ok.hybrid.plan_for``): stage 0's ``buckets``
+                  equal buckets sent one after another, bucket j from (j+1)/buckets of the
+                  way through its last backward on; the later stages as in "after"
 
     ``cores``: the pipeline's compute shares that many cores among its ``replicas`` × stages
     ranks (``pipeline_on_cores``); None: a core per rank.

@@ -59,6 +59,11 @@ def floats(dp, pp):
     return [[float(r) for r in g] for g in pipelines], replicas
 
 
+def returns_sets(dp, pp):
+    pipelines, replicas = groups_right(dp, pp)
+    return [set(g) for g in pipelines], [set(g) for g in replicas]
+
+
 def yields_the_groups(dp, pp):
     yield from groups_right(dp, pp)
 
@@ -88,6 +93,7 @@ def test_the_meshs_groups_pass_every_shape(fn):
     (off_by_one, "do not exist"),
     (one_pipeline_only, "1 groups, a 2 × 2 mesh has 2"),
     (floats, "each a list of int ranks"),
+    (returns_sets, "not a set: a group's order says which rank is stage 0"),
 ])  # fmt: skip
 def test_each_typical_mistake_in_the_groups_is_named_on_the_fixed_shapes(fn, words):
     fixed = [lab14.judge_groups(fn(dp, pp), dp, pp) for dp, pp in lab14.MESHES]
@@ -140,6 +146,15 @@ def reduces_after_each_backward(actions, stage, stages, buckets):
 def ready_on_the_first_backward(actions, stage, stages, buckets):
     first = next(i for i, a in enumerate(actions) if a.startswith("B"))
     return [a + (" ready" if i == first else "") for i, a in enumerate(actions)] + ["finish"]
+
+
+def flushes_after_the_reduces(actions, stage, stages, buckets):
+    """Also right (harmless): a flush once the reductions are on their way."""
+    return right(actions, stage, stages, buckets)[:-1] + ["flush", "finish"]
+
+
+def ready_typo(actions, stage, stages, buckets):
+    return [a.replace(" ", "") + " ready" if a == actions[-1] else a for a in actions] + ["finish"]
 
 
 def flushes_first(actions, stage, stages, buckets):
@@ -276,7 +291,7 @@ def _check_plan(fn) -> Report:
         return ok.grading.check_hybrid_plan(fn)
 
 
-@pytest.mark.parametrize("fn", [right, buckets_backwards])
+@pytest.mark.parametrize("fn", [right, buckets_backwards, flushes_after_the_reduces])
 def test_right_plans_pass_every_case_and_train_as_one_process_on_four_ranks(fn):
     report = _check_plan(fn)
     assert report.all_passed, report.cases
@@ -293,6 +308,7 @@ def test_right_plans_pass_every_case_and_train_as_one_process_on_four_ranks(fn):
     (one_bucket_only, "never reduced"),
     (gpipe_order, "the schedule runs"),
     (reduce_before_anything, "reduces before any backward"),
+    (ready_typo, "not an action ('F k', 'B k', 'B k ready'"),
 ])  # fmt: skip
 def test_each_typical_mistake_in_a_plan_is_named_in_every_case_it_breaks(fn, words):
     fixed = []

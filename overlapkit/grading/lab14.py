@@ -92,6 +92,8 @@ def check_mesh_groups(mesh_groups) -> Report:
 
 
 def _as_groups(value) -> list[list[int]] | None:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(g, (list, tuple)) for g in value):
+        return None  # a set has no order to read a stage or a replica from
     try:
         groups = [[int(r) for r in g] for g in value]
     except (TypeError, ValueError):
@@ -107,7 +109,12 @@ def judge_groups(value, dp: int, pp: int) -> str | None:
         return "return a pair (pipelines, replicas): two lists of groups of ranks"
     got = [_as_groups(v) for v in value]
     if any(g is None for g in got):
-        return "each of pipelines and replicas is a list of groups, each a list of int ranks"
+        kinds = {type(g).__name__ for v in value if isinstance(v, (list, tuple, set))
+                 for g in v if not isinstance(g, (list, tuple))}  # fmt: skip
+        sets = " (not a set: a group's order says which rank is stage 0, or replica 0)"
+        return ("each of pipelines and replicas is a list of groups, each a list of int "
+                f"ranks{sets if 'set' in kinds or any(isinstance(v, set) for v in value) else ''}"
+                + (f"; got {', '.join(sorted(kinds))}" if kinds else ""))  # fmt: skip
     mine_p, mine_r = got
     if (mine_p, mine_r) == (pipes, reps):
         return None
@@ -163,12 +170,13 @@ def check_hybrid_plan(hybrid_plan) -> Report:
                 what = f"stage {s} of {p}, {m} micro-batches ({schedule}), {b} bucket(s)"
                 try:
                     called, plan = call_or_report(quiet, what, hybrid_plan, list(acts), s, p, b)
-                    again = call_or_report(quiet, what, hybrid_plan, list(acts), s, p, b)[1]
+                    said = quiet.cases[-1][1] if not called else None  # (before a 2nd call's)
+                    again = (call_or_report(quiet, what, hybrid_plan, list(acts), s, p, b)[1]
+                             if called else None)  # fmt: skip
                 except Unfinished:
                     report.fail(quiet.cases[-1][1])
                     return report
                 drawn = (p, m, schedule, b) not in PLANS
-                said = quiet.cases[-1][1] if not called else None
                 if said and "cannot pickle 'generator'" in said:
                     said = f"{what}: return a list of actions, not a generator: list(...) of it"
                 got.append((what, drawn, acts, s, b, plan, again, said))
@@ -219,7 +227,9 @@ def judge_plan(plan, actions: list[str], stage: int, buckets: int) -> str | None
     except PlanError as exc:
         return str(exc)
     last = max(i for i, (text, _) in enumerate(steps) if text.startswith("B"))
-    if any(e[0] == "flush" for e in after[last]):
+    events = after[last]
+    flush = next((i for i, e in enumerate(events) if e[0] == "flush"), None)
+    if flush is not None and any(e[0] == "reduce" for e in events[flush:]):
         return ("'flush' waits for the whole pipeline before reducing: the AllReduce then "
                 "hides under nothing (that is the baseline section 3 measures)")  # fmt: skip
     text, ready = steps[last]
@@ -245,14 +255,15 @@ def _reduced_early(plan, actions: list[str]) -> str | None:
     where = next((i for i, a in enumerate(plan) if a in (last, f"{last} ready")), len(plan))
     done = None  # the last backward before the reduction
     for i, a in enumerate(plan[:where]):
-        if a.startswith("B"):
+        if a.split()[:1] == ["B"]:
             done = a.removesuffix(" ready")
         still = (f", but {last!r} (micro-batch {last.split()[1]}) still adds its gradient "
                  "later: a bucket sent before the stage's last backward misses what "
                  "follows")  # fmt: skip
-        if a.endswith(" ready") and a.startswith("B"):
+        words = a.split()
+        if len(words) == 3 and words[0] == "B" and words[2] == "ready":
             return f"plan[{i}] {a!r} launches every bucket as it fills{still}"
-        if a.startswith("reduce"):
+        if len(words) == 2 and words[0] == "reduce":
             when = f"after {done!r}" if done else "before any backward"
             return f"plan[{i}] {a!r} reduces {when}{still}"
     return None
