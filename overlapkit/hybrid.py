@@ -254,7 +254,7 @@ class _Reductions:
         if event[0] == "reduce":
             self.launch(event[1])
         elif event[0] == "flush":
-            dist.barrier(group=self.st.mesh.pp_group)
+            _flush(self.st.mesh)
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -273,6 +273,25 @@ class _Reductions:
                     p.grad.copy_(part)
         if self.inflight:
             self.done = Timeline.now()
+
+
+def _flush(mesh: Mesh, timeout_s: float = 60.0) -> None:
+    """Wait until every stage of this rank's pipeline has got here. On gloo a monitored
+    barrier: a stage whose plan never flushes is named after ``timeout_s``, not waited for
+    forever."""
+    if dist.get_backend(mesh.pp_group) == "gloo":
+        from datetime import timedelta
+
+        try:
+            dist.monitored_barrier(group=mesh.pp_group, timeout=timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            raise PlanError(
+                f"stage {mesh.stage} (rank {runtime.rank()}) waited {timeout_s:g} s at 'flush' "
+                f"for the rest of its pipeline ({mesh.pp_ranks}): every stage's plan must say "
+                f"'flush' as often, or the others never come ({exc})"
+            ) from None
+    else:
+        dist.barrier(group=mesh.pp_group)
 
 
 def _parse_plan(plan, actions: list[str], buckets: int):

@@ -157,6 +157,11 @@ def ready_typo(actions, stage, stages, buckets):
     return [a.replace(" ", "") + " ready" if a == actions[-1] else a for a in actions] + ["finish"]
 
 
+def flushes_on_stage_0_only(actions, stage, stages, buckets):
+    plan = right(actions, stage, stages, buckets)
+    return plan[:-1] + ["flush", "finish"] if stage == 0 else plan
+
+
 def flushes_first(actions, stage, stages, buckets):
     return list(actions) + ["flush"] + [f"reduce {b}" for b in range(buckets)] + ["finish"]
 
@@ -320,6 +325,7 @@ def test_each_typical_mistake_in_a_plan_is_named_in_every_case_it_breaks(fn, wor
 
 
 @pytest.mark.parametrize("fn, words", [
+    (flushes_on_stage_0_only, "'flush' waits for every stage of the pipeline"),
     (random_bucket_order, "two calls with the same arguments gave different plans"),
     (yields_the_actions, "not a generator"),
     (asks_the_kit, "your function"),

@@ -124,6 +124,17 @@ def test_bad_input_is_named(kind, plan, message, no_leftover_ranks):
         ok.launch(_bad, kind, plan, world_size=2, timeout=60)
 
 
+def _flush_on_stage_0_only():
+    mesh = hybrid.make_mesh(1, 2)
+    if mesh.stage == 0:
+        hybrid._flush(mesh, timeout_s=2)
+
+
+def test_a_flush_one_stage_never_joins_is_named_not_waited_for_forever(no_leftover_ranks):
+    with pytest.raises(Exception, match=r"stage 0 \(rank 0\) waited 2 s at 'flush'"):
+        ok.launch(_flush_on_stage_0_only, world_size=2, timeout=30)
+
+
 def test_the_kits_plans_say_when_each_stage_reduces():
     actions = ["F 0", "F 1", "B 0", "B 1"]
     assert hybrid.plan_for("flush", actions, 1, 2) == [*actions, "flush", "reduce 0",

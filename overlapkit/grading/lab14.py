@@ -32,7 +32,7 @@ import random
 
 import torch
 
-from ..launcher import launch
+from ..launcher import LaunchError, launch
 from ..pipeline import make_schedule
 from . import answers
 from .common import Unfinished, call_or_report, judge_against_one_process
@@ -111,6 +111,7 @@ def judge_groups(value, dp: int, pp: int) -> str | None:
     if any(g is None for g in got):
         kinds = {type(g).__name__ for v in value if isinstance(v, (list, tuple, set))
                  for g in v if not isinstance(g, (list, tuple))}  # fmt: skip
+        kinds |= {type(v).__name__ for v in value if not isinstance(v, (list, tuple))}
         sets = " (not a set: a group's order says which rank is stage 0, or replica 0)"
         return ("each of pipelines and replicas is a list of groups, each a list of int "
                 f"ranks{sets if 'set' in kinds or any(isinstance(v, set) for v in value) else ''}"
@@ -184,6 +185,7 @@ def check_hybrid_plan(hybrid_plan) -> Report:
         report.fail(f"your function {answers.said(ran)}")
         return report
     runnable, cases_ok = {}, {}
+    flushes: dict = {}  # case -> {stage: how many 'flush'}
     for what, drawn, acts, s, b, plan, again, said in got:
         case = (drawn, what.split(" of ")[1].split(",")[0], what.split(", ", 1)[1])
         if said:
@@ -195,6 +197,15 @@ def check_hybrid_plan(hybrid_plan) -> Report:
             problem = (f"two calls with the same arguments gave different plans ({plan} and "
                        f"{again}): every replica of a stage must issue its AllReduces in "
                        "one order, or their buckets meet the wrong partner")  # fmt: skip
+        if problem is None:
+            flushes.setdefault(case, {})[s] = sum(1 for a in plan if a == "flush")
+            counts = flushes[case]
+            if len(set(counts.values())) > 1:  # a barrier of the pipeline: all or none
+                flushing = [k for k, n in counts.items() if n == max(counts.values())]
+                problem = (f"stage(s) {flushing} say 'flush' {max(counts.values())} time(s), "
+                           f"stage(s) {[k for k in counts if k not in flushing]} fewer: "
+                           "'flush' waits for every stage of the pipeline, so a stage that "
+                           "never says it leaves the others waiting forever")  # fmt: skip
         if problem is None:
             runnable[what] = plan
             cases_ok.setdefault(case, True)
@@ -306,5 +317,9 @@ def _train_by_plans(plans):
 
 def _run_on_ranks(report: Report, plans) -> None:
     what = "2 × 2 mesh, your plans on 4 ranks (2 SGD steps)"
-    results = launch(_train_by_plans, [list(p) for p in plans], world_size=4, timeout=60)
+    try:
+        results = launch(_train_by_plans, [list(p) for p in plans], world_size=4, timeout=90)
+    except LaunchError as exc:  # a hang or a crash is a ✘ line, not the check's traceback
+        report.fail(f"{what}: {str(exc).splitlines()[0]}")
+        return
     judge_against_one_process(report, what, results)

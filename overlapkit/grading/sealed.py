@@ -260,13 +260,7 @@ def _guard_the_call(files: bool = True) -> None:
             return
         elsewhere = threading.get_ident() != main
         if event == "object.__setattr__":
-            if args[1] in (
-                "__code__",
-                "__globals__",
-                "__closure__",
-                "__defaults__",
-                "__kwdefaults__",
-            ):
+            if args[1] in ("__code__", "__globals__", "__closure__"):
                 _REFUSED.append(f"your function set a function's {args[1]}: while it runs, "
                                 "the check's answers keep the code they have")  # fmt: skip
                 raise RuntimeError(_REFUSED[-1])
