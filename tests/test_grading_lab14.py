@@ -348,3 +348,15 @@ def test_the_run_on_ranks_finds_a_bucket_reduced_too_early_in_the_parameters():
     plans = [reduces_after_each_backward(a, s, 2, 4) for s, a in enumerate(acts)]
     gaps = ok.launch(lab14._train_by_plans, plans, world_size=4, timeout=60)
     assert max(gaps) > 1e-3  # the reductions miss micro-batch 1's gradient
+
+
+def hangs(actions, stage, stages, buckets):
+    while True:
+        pass
+
+
+def test_a_plan_that_never_returns_is_a_named_failure_after_the_checks_limit():
+    with contextlib.redirect_stdout(io.StringIO()):
+        report = ok.grading.check_hybrid_plan(hangs, timeout=5)
+    failed = [m for passed, m in report.cases if not passed]
+    assert failed and "did not return within 5 s" in failed[0], report.cases

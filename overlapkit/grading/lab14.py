@@ -27,6 +27,7 @@ parameters must equal one process's training on the whole batch.
 
 from __future__ import annotations
 
+import functools
 import io
 import random
 
@@ -48,6 +49,12 @@ DRAWN_PLANS = [(p, m, s, b) for p in (2, 3, 4) for m in (1, 2, 3, 5, 8) for s in
                for b in (1, 2, 5, 9) if (p, m, s, b) not in PLANS]  # fmt: skip
 
 
+def _with_timeout(fn, timeout: float):
+    """A sealed function whose calls give up after ``timeout`` seconds (honest ones take
+    milliseconds; the default minute made a learner's hang wait twice what it needs)."""
+    return functools.partial(fn, timeout=timeout) if callable(fn) else fn
+
+
 def expected_groups(dp: int, pp: int) -> tuple[list[list[int]], list[list[int]]]:
     """The pp groups and dp groups of ``init_device_mesh(..., (dp, pp))``."""
     return ([[d * pp + s for s in range(pp)] for d in range(dp)],
@@ -57,11 +64,14 @@ def expected_groups(dp: int, pp: int) -> tuple[list[list[int]], list[list[int]]]
 # --------------------------------------------------------------------------- the mesh
 
 
-def check_mesh_groups(mesh_groups) -> Report:
-    """Check ``mesh_groups(dp, pp)`` → ``(pipelines, replicas)`` (module docstring)."""
+def check_mesh_groups(mesh_groups, timeout: float = 30.0) -> Report:
+    """Check ``mesh_groups(dp, pp)``: it returns ``(pipelines, replicas)``, the pp groups
+    (one replica's ranks, stage 0 first) and the dp groups (one stage's ranks, replica 0
+    first) of ``init_device_mesh(..., (dp, pp))``, on several shapes (two drawn at random).
+    A call that does not return within ``timeout`` seconds is a ✘ line."""
     report = Report("mesh_groups")
     quiet = Report(report.exercise, file=io.StringIO())
-    mesh_groups = seal(mesh_groups)
+    mesh_groups = _with_timeout(seal(mesh_groups), timeout)
     shapes = [*MESHES, *random.SystemRandom().sample(DRAWN_MESHES, 2)]
     with answers.running(answers.of("check_mesh_groups")) as ran:
         got = []
@@ -157,10 +167,14 @@ def stage_actions(stages: int, micro: int, schedule: str, stage: int) -> list[st
     return [f"{a.op} {a.micro}" for a in make_schedule(schedule, stages, micro)[stage]]
 
 
-def check_hybrid_plan(hybrid_plan) -> Report:
-    """Check ``hybrid_plan(actions, stage, stages, buckets)`` (module docstring)."""
+def check_hybrid_plan(hybrid_plan, timeout: float = 30.0) -> Report:
+    """Check ``hybrid_plan(actions, stage, stages, buckets)``: the plan of one stage's step,
+    its pipeline ``actions`` with 'B k ready', 'reduce b', 'flush' and 'finish' between them,
+    judged by the lab's rules for several pipelines (two drawn at random), then trained on a
+    2 × 2 mesh against one process. A call that does not return within ``timeout`` seconds
+    is a ✘ line."""
     report = Report("hybrid_plan")
-    hybrid_plan = seal(hybrid_plan)
+    hybrid_plan = _with_timeout(seal(hybrid_plan), timeout)
     cases = [*PLANS, *random.SystemRandom().sample(DRAWN_PLANS, 2)]
     quiet = Report(report.exercise, file=io.StringIO())
     got = []
