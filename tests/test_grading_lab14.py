@@ -91,7 +91,7 @@ def test_the_meshs_groups_pass_every_shape(fn):
     (groups_swapped, "pipelines and replicas swapped"),
     (stages_reversed, "the right ranks, out of order"),
     (off_by_one, "do not exist"),
-    (one_pipeline_only, "1 groups, a 2 × 2 mesh has 2"),
+    (one_pipeline_only, "1 group, a 2 × 2 mesh has 2"),
     (floats, "each a list of int ranks"),
     (returns_sets, "not a set: a group's order says which rank is stage 0"),
 ])  # fmt: skip

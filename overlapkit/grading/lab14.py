@@ -148,7 +148,8 @@ def judge_groups(value, dp: int, pp: int) -> str | None:
                     "0 first, a replica group replica 0 first, and the groups go in that "
                     f"order too: {want}")  # fmt: skip
         if len(mine) != len(want):
-            return f"{name}: {len(mine)} groups, a {dp} × {pp} mesh has {len(want)}: {want}"
+            return (f"{name}: {len(mine)} group{'s' if len(mine) != 1 else ''}, a {dp} × {pp} "
+                    f"mesh has {len(want)}: {want}")  # fmt: skip
         flat = [r for g in mine for r in g]
         if sorted(flat) != list(range(dp * pp)):
             out = sorted(set(flat) - set(range(dp * pp)))
