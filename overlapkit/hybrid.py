@@ -45,7 +45,7 @@ import torch.distributed as dist
 from . import runtime
 from .collectives import buckets_by_size, labelled, ring_all_reduce
 from .pipeline import PipelineStage, StepResult, make_schedule
-from .timeline import COMM, COMPUTE, Timeline, intersect, length, union
+from .timeline import COMM, COMPUTE, Timeline, intersect, is_comm, length, union
 
 DP_STARTS = ("flush", "after", "overlap")
 PP_LANE, DP_LANE = COMM + " pp", COMM + " dp"
@@ -161,8 +161,8 @@ class HybridStage:
              schedule: str = "1f1b", dp_start: str = "overlap",
              timeline: Timeline | None = None) -> HybridResult:  # fmt: skip
         """One step by the plan ``plan_for(dp_start, ...)``: see :meth:`run_plan`."""
-        m = 1 if schedule == "sequential" else micro_batches
-        plan = plan_for(dp_start, self.actions(m, schedule), self.mesh.stage, len(self.buckets))
+        actions = self.actions(micro_batches, schedule)  # ("sequential": one micro-batch)
+        plan = plan_for(dp_start, actions, self.mesh.stage, len(self.buckets))
         return self.run_plan(plan, inputs, targets, loss_fn, micro_batches, schedule, timeline)
 
     def run_plan(self, plan, inputs=None, targets=None, loss_fn=None, micro_batches: int = 1,
@@ -181,8 +181,7 @@ class HybridStage:
         misses that backward's gradient (and the plan check says so). ``timeline``: compute
         spans, the pipeline's transfers on lane ``"comm pp"`` and the AllReduces on
         ``"comm dp"``."""
-        m = 1 if schedule == "sequential" else micro_batches
-        steps, after = _parse_plan(plan, self.actions(m, schedule), len(self.buckets))
+        steps, after = _parse_plan(plan, self.actions(micro_batches, schedule), len(self.buckets))
         pp_tl = None if timeline is None else Timeline(runtime.rank())
         run = _Reductions(self, timeline)
 
@@ -202,8 +201,10 @@ class HybridStage:
         result = self.pipe.step(inputs, targets, loss_fn, micro_batches, schedule,
                                 timeline=pp_tl, around=around)  # fmt: skip
         run.finish()
-        if timeline is not None:
-            _relane(timeline, pp_tl, {COMM: PP_LANE})
+        if timeline is not None:  # the pipeline's transfers on a lane of their group
+            for s in pp_tl.spans:
+                lane = PP_LANE if s.lane == COMM else s.lane
+                timeline.add(s.name, s.start, s.end, lane, rank=s.rank)
         return HybridResult(result, list(plan), run.first, run.done)
 
 
@@ -354,12 +355,6 @@ def _parse_plan(plan, actions: list[str], buckets: int):
     return steps, after
 
 
-def _relane(into: Timeline, source: Timeline, lanes: dict, keep: set | None = None) -> None:
-    for s in source.spans:
-        if keep is None or s.lane in keep:
-            into.add(s.name, s.start, s.end, lanes.get(s.lane, s.lane), rank=s.rank)
-
-
 def _under_work(timeline: Timeline, r: int, lane: str, pipelines) -> tuple[float, float]:
     """(seconds rank ``r`` had a transfer on ``lane``, of which some rank of its pipeline
     computed: ``pipelines[r]``, global ranks; the rank alone without it)."""
@@ -387,7 +382,7 @@ def hot_spots(timeline: Timeline, pipelines: dict[int, list[int]] | None = None)
     group. The rows with the most exposed time are where to reorder first."""
     rows = []
     for r in timeline.ranks:
-        for lane in (lane for lane in timeline.lanes if lane.startswith(COMM)):
+        for lane in (lane for lane in timeline.lanes if is_comm(lane)):
             spans = timeline.select(r, lane)
             if not spans:
                 continue

@@ -118,23 +118,20 @@ def _rank_bench(dp, pp, layers, width, batch, micro, reps, warmup, share, progre
     x = torch.randn(batch, width, generator=g)
     y = torch.randn(batch, width, generator=g)
     loss = torch.nn.functional.mse_loss
-    out: dict = {c: [] for c in CONFIGS}
-    pictured: dict = {c: [] for c in PICTURED}
+    out: dict = {c: [] for c in CONFIGS}  # config -> [(step seconds, this rank's timeline)]
     for i in range(warmup + reps):
         for c in CONFIGS:
             tl = Timeline()
             dist.barrier()
             start = time.perf_counter()
-            r = hs.step(x if mesh.stage == 0 else None, y if mesh.stage == pp - 1 else None,
+            hs.step(x if mesh.stage == 0 else None, y if mesh.stage == pp - 1 else None,
                         loss, micro_batches=micro, dp_start=c, timeline=tl)  # fmt: skip
             end = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)
             step = slowest(start, end)
             if i >= warmup:
-                out[c].append((step, r.reduce_launched, r.reduce_done, tl))
-                if c in PICTURED:
-                    pictured[c].append(tl)
+                out[c].append((step, tl))
             progress.tick()
     p2p.set_link(None)
     everyone = [None] * runtime.world_size()
@@ -142,12 +139,12 @@ def _rank_bench(dp, pp, layers, width, batch, micro, reps, warmup, share, progre
     if runtime.rank() != 0:
         return None
     pipelines = {r: ranks for ranks, _ in everyone for r in ranks}
-    merged = {c: [Timeline.merge(o[c][i][3] for _, o in everyone) for i in range(reps)]
+    merged = {c: [Timeline.merge(o[c][i][1] for _, o in everyone) for i in range(reps)]
               for c in CONFIGS}  # fmt: skip
-    return {"steps": {c: [s for s, *_ in out[c]] for c in CONFIGS}, "merged": merged,
+    return {"steps": {c: [s for s, _ in out[c]] for c in CONFIGS}, "merged": merged,
             "pipelines": pipelines, "forward": forward, "backward": backward,
             "stage_bytes": stage_bytes, "act_bytes": act_bytes, "link": link,
-            "pictured": {c: [[o[c][i][3] for _, o in everyone] for i in range(reps)]
+            "pictured": {c: [[o[c][i][1] for _, o in everyone] for i in range(reps)]
                          for c in PICTURED}}  # fmt: skip
 
 
@@ -157,7 +154,6 @@ def _pipe_end(tl: Timeline) -> float:
 
 
 def _measured(tl: Timeline, pipelines: dict) -> dict:
-    starts = min(s.start for s in tl.spans)
     reduce = [s for s in tl.spans if s.lane == hybrid.DP_LANE]
     end = max(s.end for s in tl.spans)
     pp = union((s.start, s.end) for s in tl.spans if s.lane == hybrid.PP_LANE)
@@ -171,7 +167,6 @@ def _measured(tl: Timeline, pipelines: dict) -> dict:
         "pp_hidden": length(intersect(pp, work)) / length(pp) if pp else float("nan"),
         # the rank that joined its AllReduce last waited for nobody: its time is the transfer's
         "reduce_busy": min(length(union(v)) for v in per_rank.values()) if per_rank else 0.0,
-        "wall": end - starts,
     }
 
 
