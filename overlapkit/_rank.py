@@ -172,10 +172,15 @@ _keep: list = []  # objects whose destructors must never run
 before_end: list = []
 
 
-def main(spec: RankSpec, rank: int, conn) -> None:
+#: the write end of this rank's sightings pipe (``launcher.sightings``): a check's watch
+#: writes there what it sees, as it sees it (None outside a launched rank)
+sightings = None
+
+
+def main(spec: RankSpec, rank: int, conn, seen=None) -> None:
     """Entry point of a rank process (target of the forkserver Process)."""
-    global launched, spec_of_this_rank
-    launched, spec_of_this_rank = True, spec
+    global launched, spec_of_this_rank, sightings
+    launched, spec_of_this_rank, sightings = True, spec, seen
     _die_with_parent()
     _capture_output(log_path(spec.log_dir, rank))
     faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)

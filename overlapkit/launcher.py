@@ -88,6 +88,22 @@ class RemoteTraceback(Exception):
         return self.text
 
 
+# --------------------------------------------------------------------------- sightings
+
+#: the longest message a rank's sightings pipe may carry (a code object's marshal)
+SIGHTING_LIMIT = 4 << 20
+_last = threading.local()
+
+
+def sightings() -> tuple[dict[int, list[bytes]], set[int]] | None:
+    """What the ranks of this thread's last :func:`launch` sent on their sightings pipes
+    (by rank, each message's bytes), and the ranks whose pipe carried something else;
+    None when that launch never got its ranks running. A check's watch on a rank
+    (``grading.answers``) writes what it sees there the moment it sees it, so that the
+    check decides from what left the rank, not from what the rank's code said at its end."""
+    return getattr(_last, "sightings", None)
+
+
 # --------------------------------------------------------------------------- forkserver
 
 _context_lock = threading.Lock()
@@ -226,6 +242,7 @@ def launch(
     ``rank_kwargs``: one dict per rank, more keyword arguments for that rank's call only,
     sent to that rank alone (a check's inputs that no other rank may see).
     """
+    _last.sightings = None  # this launch's, never an earlier one's
     if not callable(fn):
         raise TypeError(f"launch() needs a function to run on the ranks, got {type(fn).__name__}")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
@@ -276,6 +293,7 @@ def launch(
     try:
         ranks.start()
         outcome = ranks.wait(timeout)
+        _last.sightings = (dict(outcome.sightings), set(outcome.garbled))
     except BaseException:  # KeyboardInterrupt from the kernel, above all
         interrupted = True
         raise
@@ -346,6 +364,10 @@ class _Outcome:
         self.running: list[int] = list(range(world))
         self.timed_out = False
         self.plain = False  # the values and errors are read as plain data
+        #: per rank, the messages of its sightings pipe (``sightings()``), and the ranks
+        #: whose pipe carried something that was not a whole message
+        self.sightings: dict[int, list[bytes]] = {r: [] for r in range(world)}
+        self.garbled: set[int] = set()
 
     @property
     def failure(self) -> tuple[int, tuple] | None:
@@ -388,6 +410,7 @@ class _Ranks:
         self.spec, self.private = spec, private
         self.procs: list = []
         self.conns: list = []
+        self.sighting_conns: list = []
         self._finished = [False] * spec.world_size
 
     def start(self) -> None:
@@ -395,15 +418,21 @@ class _Ranks:
         with _start_lock, _ranks_skip_main(), _interrupts_after():
             for r in range(self.spec.world_size):
                 recv, send = ctx.Pipe(duplex=False)
+                # what a check's watch sees on the rank, sent as it is seen (not in the
+                # value the rank returns, which its code could change before it goes)
+                seen_recv, seen_send = ctx.Pipe(duplex=False)
                 # a rank's own keyword arguments go in its spec alone
                 spec = self.spec if self.private is None else (
                     dataclasses.replace(self.spec, private=self.private[r]))  # fmt: skip
                 proc = ctx.Process(
-                    target=_rank.main, args=(spec, r, send), name=f"overlapkit-rank{r}"
-                )
+                    target=_rank.main, args=(spec, r, send, seen_send),
+                    name=f"overlapkit-rank{r}",
+                )  # fmt: skip
                 self.conns.append(recv)
+                self.sighting_conns.append(seen_recv)
                 proc.start()
                 send.close()  # our copy: EOF on recv must mean the rank is gone
+                seen_send.close()
                 self.procs.append(proc)
 
     def wait(self, timeout: float | None) -> _Outcome:
@@ -411,6 +440,8 @@ class _Ranks:
         out.plain = self.spec.plain
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = {self.conns[r]: r for r in range(len(self.procs))}
+        # read as they come: a rank that sees much must not block on a full pipe
+        seeing = {self.sighting_conns[r]: r for r in range(len(self.procs))}
         while pending:
             remaining = None if deadline is None else deadline - time.monotonic()
             if out.errors:
@@ -425,10 +456,16 @@ class _Ranks:
             # has several) wakes no thread blocked here, and Python runs the handler in
             # the main thread only once it is back from the wait
             step = self.WAKE_S if remaining is None else min(remaining, self.WAKE_S)
-            ready = mp.connection.wait(list(pending), timeout=step)
+            ready = mp.connection.wait([*pending, *seeing], timeout=step)
             for conn in ready:
-                rank = pending.pop(conn)
-                self._receive(conn, rank, out)
+                if conn in seeing:
+                    self._sighting(conn, seeing, out)
+                else:
+                    self._receive(conn, pending.pop(conn), out)
+        # what a rank saw before it sent its value is in its pipe by now
+        for conn in list(seeing):
+            while conn in seeing and conn.poll(0):
+                self._sighting(conn, seeing, out)
         out.running = sorted(pending.values())
         if out.timed_out and out.running:
             # ask for the stacks before the kill; ranks still running after a
@@ -436,6 +473,17 @@ class _Ranks:
             self.dump_stacks(out.running)
             _await_dumps(self.spec, out.running)
         return out
+
+    @staticmethod
+    def _sighting(conn, seeing: dict, out: _Outcome) -> None:
+        rank = seeing[conn]
+        try:
+            out.sightings[rank].append(conn.recv_bytes(SIGHTING_LIMIT))
+        except EOFError:  # the rank has ended: nothing more comes
+            del seeing[conn]
+        except OSError:  # a message cut short or too long: not the watch's writing
+            out.garbled.add(rank)
+            del seeing[conn]
 
     def _receive(self, conn, rank: int, out: _Outcome) -> None:
         try:
@@ -472,7 +520,7 @@ class _Ranks:
             p.join(5.0)
             with contextlib.suppress(ValueError):
                 p.close()
-        for c in self.conns:
+        for c in self.conns + self.sighting_conns:
             c.close()
 
     def dump_stacks(self, ranks: list[int]) -> None:
@@ -660,7 +708,7 @@ def _rebuild_failure(outcome: _Outcome, world: int, logs=()) -> BaseException:
         error = RankFailedError(
             f"rank {rank} of {world} {how} before returning{why}", rank, died=True
         )
-        error.last_words = said
+        error.last_words, error.exitcode = said, code
         return error
     _, exc_bytes, type_name, text, frames, chained = message
     remote = ""

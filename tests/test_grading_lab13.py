@@ -446,7 +446,9 @@ RED_TEAM = {
     everything_gathered_by_another_module: "compresses nothing",
     everything_gathered_as_a_small_tensor: "compresses nothing",
     kit_top_k_with_the_watch_off: "your function called sys.setprofile",
-    kit_top_k_rearmed_through_code: "your function set a function's __code__",
+    # the originals were in the watch's closure, then in its token cache: neither hands
+    # them out now, so nothing is re-armed and the kit's TopK refuses to run
+    kit_top_k_rearmed_through_code: "ran ok.compression.TopK",
 }
 
 
@@ -515,7 +517,8 @@ def fresh_kit_top_k_on_a_thread_started_from_c(flat, residual, fraction):
 
 
 RED_TEAM_TWO = {
-    through_system_v_shared_memory: "shmget refused",
+    # refused since session 15 before any shmget: C through ctypes while the call runs
+    through_system_v_shared_memory: "called C code through ctypes",
     fresh_kit_top_k_on_a_thread_started_from_c: "opened the kit's own file",
 }
 

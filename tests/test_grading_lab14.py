@@ -253,23 +253,32 @@ def rebinds_the_watchs_copy_finder(actions, stage, stages, buckets):
 
 
 def takes_the_originals_from_the_watchs_closure(actions, stage, stages, buckets):
-    """The profiler's closure holds the answers' original code and its cache of verdicts:
-    mark the originals 'not an answer' there, then run one."""
-    import sys
+    """The profiler's closure held the answers' original code and its cache of verdicts
+    (red team, lab 14): mark the originals 'not an answer' there, then run one. The token
+    cache held the originals too; on a rank it now holds nothing."""
     import types
 
-    found, todo = {}, [sys.getprofile()]
-    while todo:
-        f = todo.pop()
-        for var, cell in zip(f.__code__.co_freevars, f.__closure__ or (), strict=False):
-            found.setdefault(var, cell.cell_contents)
-            if isinstance(cell.cell_contents, types.FunctionType):
-                todo.append(cell.cell_contents)
     originals = [entry[0] for entry in ok.grading.answers._tokens_of.values()]
-    for code in originals:
-        found["known"][id(code)] = (code, None)
+    if not originals:
+        raise LookupError("no original code in the token cache")
     code = next(c for c in originals if c.co_name == "plan_for")
     return types.FunctionType(code, vars(ok.hybrid))("overlap", actions, stage, buckets)
+
+
+def reads_the_watchs_state_from_its_frame(actions, stage, stages, buckets):
+    """The watch is a bound method now (no closure): its state is in a generator's frame."""
+    import sys
+
+    state = sys.getprofile().__self__[0]
+    state.gi_frame.f_locals["seen"].clear()
+    return right(actions, stage, stages, buckets)
+
+
+def closes_the_watch(actions, stage, stages, buckets):
+    import sys
+
+    sys.getprofile().__self__[0].close()
+    return right(actions, stage, stages, buckets)
 
 
 def asks_the_garbage_collector_for_the_watch(actions, stage, stages, buckets):
@@ -282,7 +291,9 @@ def asks_the_garbage_collector_for_the_watch(actions, stage, stages, buckets):
 @pytest.mark.parametrize("fn, words", [
     (plan_for_with_its_globals_aliased, "ran ok.hybrid.plan_for (an edited copy"),
     (rebinds_the_watchs_copy_finder, "ran ok.hybrid.plan_for"),
-    (takes_the_originals_from_the_watchs_closure, "ran ok.hybrid.plan_for"),
+    (takes_the_originals_from_the_watchs_closure, "no original code in the token cache"),
+    (reads_the_watchs_state_from_its_frame, "the check's watch is not yours to read"),
+    (closes_the_watch, "cut off the check's watch"),
     (asks_the_garbage_collector_for_the_watch, "gc.get_objects"),
 ])  # fmt: skip
 def test_the_kits_plan_by_another_door_fails(fn, words):

@@ -31,6 +31,17 @@ profiler (``sys.setprofile``, ``threading.setprofile``), and calling an operatio
 torch process group itself (``group.allreduce``, also on a group made outside torch's
 registry, which no sequence number counts).
 
+On a check's rank the verdict is not the rank's to give. The watch sends what it sees out
+of the process the moment it sees it, on the rank's sightings pipe (``launcher.sightings``)::
+
+    rank: learner's call ──► watch (profile fn) ──► pipe ──► check: which answers ran?
+           an answer by identity: its name      ─┘           judged here, from the pipe:
+           a code object that may be a copy: its marshal ─┘   key match, edited copy
+
+so what the rank's code does afterwards to its own report (the lists it returns, the
+builtins that build them) takes nothing back. The watch's state is out of that code's
+reach, and a watch that was cut off ends the process (:func:`_watch`).
+
 A profile function only sees the threads it was given; so, meanwhile, the answers are
 also *disarmed*: each of their functions gets code that refuses to run (it notes the
 answer and raises :class:`AnswerRan`) until the learner's call is over. That reaches every
@@ -42,6 +53,7 @@ refusal takes nothing from it.
 
 from __future__ import annotations
 
+import _thread
 import collections
 import contextlib
 import difflib
@@ -49,7 +61,9 @@ import dis
 import importlib
 import inspect
 import itertools
+import marshal
 import os
+import struct
 import sys
 import threading
 import types
@@ -233,11 +247,12 @@ def _group_ops() -> dict[int, str]:
 
 
 def _key(code: types.CodeType) -> tuple:
-    """What a code object does, not where it was compiled: the kit's source compiled again
-    (blank lines in front, another file or module name) has the same key."""
+    """What a code object does, not where it was compiled nor what it is called: the kit's
+    source compiled again (blank lines in front, another file or module name), or its code
+    renamed (``co_name="<lambda>"``: red team, session 15), has the same key."""
     consts = tuple(_key(c) if isinstance(c, types.CodeType) else c for c in code.co_consts)
-    return (code.co_name, code.co_code, code.co_names, code.co_varnames, code.co_freevars,
-            code.co_cellvars, consts)  # fmt: skip
+    return (code.co_code, code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars,
+            consts)  # fmt: skip
 
 
 #: the least bytecode a function needs for its copy to be recognised (bytes_moved_per_rank
@@ -246,6 +261,9 @@ TELLING_BYTES = 48
 
 
 def _telling(code: types.CodeType) -> bool:
+    """Whether an *answer's* code is recognised in a copy: a function's, long enough (the
+    kit's comprehensions and lambdas may read like a learner's ``[p for p in ...]``). A
+    code object that runs is judged whatever its name: a name is the learner's to choose."""
     return not code.co_name.startswith("<") and len(code.co_code) >= TELLING_BYTES
 
 
@@ -264,9 +282,11 @@ _NAMED = {"LOAD_GLOBAL", "LOAD_ATTR", "LOAD_METHOD", "LOAD_NAME", "IMPORT_NAME",
 _tokens_of: dict[int, tuple] = {}
 
 
-def _tokens(code: types.CodeType) -> tuple:
-    """What a function does, as its instructions (see :data:`_NAMED`)."""
-    entry = _tokens_of.get(id(code))
+def _tokens(code: types.CodeType, cache: dict | None = None) -> tuple:
+    """What a function does, as its instructions (see :data:`_NAMED`); kept in ``cache``
+    (by default the module's: only where no learner's code runs, the judge's process)."""
+    cache = _tokens_of if cache is None else cache
+    entry = cache.get(id(code))
     if entry is None or entry[0] is not code:  # (the entry keeps its code's id its own)
         out = []
         for ins in dis.get_instructions(code):
@@ -278,7 +298,7 @@ def _tokens(code: types.CodeType) -> tuple:
             if not isinstance(arg, (str, int, float, bool, type(None))):
                 arg = type(arg).__name__
             out.append((ins.opname, arg))
-        entry = _tokens_of[id(code)] = (code, tuple(out), collections.Counter(out))
+        entry = cache[id(code)] = (code, tuple(out), collections.Counter(out))
     return entry[1]
 
 
@@ -293,7 +313,7 @@ def _shapes(codes: dict) -> list:
     return found
 
 
-def _copy_of(code: types.CodeType, shapes: list) -> str | None:
+def _copy_of(code: types.CodeType, shapes: list, cache: dict | None = None) -> str | None:
     """The answer (its label, and how much of it) that ``code`` is an edited copy of:
     ``code`` holds at least :data:`COPIED` of its instructions in their order."""
     # (an instruction takes two bytes or more: too short a function is let go before dis)
@@ -306,11 +326,12 @@ def _copy_of(code: types.CodeType, shapes: list) -> str | None:
     # none but is as long: the length lets it through to the instructions
     names, size = set(code.co_names), len(code.co_code)
     near = [s for s in shapes if len(names & s[2]) >= 0.5 * len(s[2])
-            or 0.8 * s[4] <= size <= 1.6 * s[4]]  # fmt: skip
+            or 0.8 * s[4] <= size]  # fmt: skip
     if not near:
         return None
-    mine = _tokens(code)
-    counts = _tokens_of[id(code)][2]
+    cache = _tokens_of if cache is None else cache
+    mine = _tokens(code, cache)
+    counts = cache[id(code)][2]
     for theirs, their_counts, _, label, _ in near:
         if len(mine) < COPIED * len(theirs):
             continue
@@ -322,6 +343,48 @@ def _copy_of(code: types.CodeType, shapes: list) -> str | None:
         if held >= COPIED:
             return f"{label} (an edited copy: {held:.0%} of its instructions, in their order)"
     return None
+
+
+_CTYPES_NAMES = frozenset({"memmove", "from_buffer", "addressof", "CDLL", "cdll", "PyDLL", "pydll",
+                           "prctl", "fflush", "byref", "string_at", "c_void_p", "c_int", "c_uint",
+                           "c_size_t", "c_char_p", "POINTER", "CFUNCTYPE"})  # fmt: skip
+_library: list = []
+#: where what is installed lives (Python's own modules, site-packages): a check's ranks
+#: cannot write there (grading.nofiles)
+_INSTALLED = tuple(
+    {p + os.sep for base in (sys.prefix, sys.base_prefix) for p in (base, os.path.realpath(base))}
+)
+
+
+def library() -> tuple[frozenset[int], frozenset]:
+    """(ids of the code objects of the libraries' functions as loaded — Python's own,
+    torch's, numpy's: what is installed, not the kit —, those code objects of theirs and the
+    kit's that call C through ctypes). Worked out once per process (the forkserver does it
+    before it forks ranks: ``overlapkit._preload``), before any learner's code runs: by
+    identity, so code compiled under a library's file name is not the library's. A watch
+    neither sends nor walks the libraries' code (it is nobody's copy), and only the
+    ctypes callers may call C while a learner's function runs (``sealed``)."""
+    if not _library:
+        roots = _INSTALLED
+        ids, calls_c = set(), set()
+        with warnings.catch_warnings():  # deprecated names say so when touched
+            warnings.simplefilter("ignore")
+            for name, module in list(sys.modules.items()):
+                path = getattr(module, "__file__", None) or ""
+                kit = name == "overlapkit" or name.startswith("overlapkit.")
+                if getattr(module, "__name__", None) != name:
+                    continue
+                if not kit and not os.path.realpath(path).startswith(roots):
+                    continue
+                with contextlib.suppress(Exception):  # a module that cannot be looked into
+                    for fn in _functions(module):
+                        for code in _nested(fn.__code__):
+                            if not kit:
+                                ids.add(id(code))
+                            if _CTYPES_NAMES & set(code.co_names):
+                                calls_c.add(code)
+        _library.append((frozenset(ids), frozenset(calls_c)))
+    return _library[0]
 
 
 def _trusted() -> frozenset[int]:
@@ -346,73 +409,457 @@ def _trusted() -> frozenset[int]:
     return frozenset(found)
 
 
+#: the exit status of a rank whose watch could not send what it saw (its pipe closed or
+#: replaced) or was interfered with (its generator closed or thrown into): no verdict
+#: about that rank can be trusted, so the check fails
+CUT = 87
+#: what a rank's watch sends on its sightings pipe (``launcher.sightings``): a watch's
+#: start (before the learner's code runs), an answer seen by identity, or a code object
+#: that may be an answer's copy, for the check to judge outside the rank
+START, NOTE, CODE = 0, 1, 2
+#: what the audit hook of a learner's call sends (:func:`code_made_meanwhile`), for every
+#: watch of the rank: source text compiled, a code object run by exec or unmarshalled,
+#: the bytecode of a code object made by hand (``types.CodeType``, ``code.replace``)
+SOURCE, MADE, BYTECODE = 3, 4, 5
+EVERY_WATCH = 0xFFFFFFFF
+_numbers = itertools.count()
+
+
+def _sightings_pipe():
+    """(fd, identity) of this rank's sightings pipe; None outside a launched rank."""
+    from .. import _rank  # noqa: PLC0415
+
+    conn = _rank.sightings
+    if conn is None or conn.closed:
+        return None
+    st = os.fstat(conn.fileno())
+    return conn.fileno(), (st.st_dev, st.st_ino)
+
+
+def code_made_meanwhile():
+    """What the audit hook of a learner's call (``sealed._guard_the_call``) does with an
+    event that makes code while the call runs, in any thread: ``made(event, args,
+    caller_file)`` sends it out on the rank's sightings pipe for the check to judge (a
+    copy of an answer compiled from text on a thread no profiler watches, a raw thread's
+    or one torch started: red team round 2, session 15). Imports are let by (they load
+    files; the guard refuses the kit's). Everything is bound now, before the learner's
+    code runs; a pipe that cannot be written ends the process (:data:`CUT`)."""
+    pipe = _sightings_pipe()
+    if pipe is None:
+        return lambda event, args, caller: None
+    fd, identity = pipe
+    fstat, write, dumps, pack, exit_, len_, type_ = (
+        os.fstat,
+        os.write,
+        marshal.dumps,
+        struct.pack,
+        os._exit,
+        len,
+        type,
+    )
+    str_, bytes_, code_t, memoryview_ = str, bytes, types.CodeType, memoryview
+    importing = "<frozen importlib"
+
+    def send(kind, data):
+        try:
+            st = fstat(fd)
+            if (st.st_dev, st.st_ino) != identity:
+                raise OSError("the sightings pipe was replaced")
+            message = pack("!BI", kind, EVERY_WATCH) + data
+            view = memoryview_(pack("!i", len_(message)) + message)
+            while len_(view):
+                view = view[write(fd, view) :]
+        except BaseException:  # noqa: BLE001 - unseen is unjudged: end the process
+            exit_(87)
+
+    def made(event, args, caller):
+        if caller.startswith(importing):
+            return
+        if event == "compile":
+            source = args[0]
+            if type_(source) is str_:
+                send(SOURCE, source.encode("utf-8", "surrogatepass"))
+            elif type_(source) is bytes_:
+                send(SOURCE, source)
+            else:  # a syntax tree: compiled, it would be judged by nothing; refused
+                raise RuntimeError(
+                    "your function compiled a syntax tree: an exercise never needs to, and "
+                    "the check could not see what it made"
+                )
+        elif event == "exec" and type_(args[0]) is code_t:
+            send(MADE, dumps(args[0]))
+        elif event == "marshal.loads" and type_(args[0]) is bytes_:
+            send(MADE, args[0])
+        elif event == "code.__new__" and type_(args[0]) is bytes_:
+            send(BYTECODE, args[0])
+
+    return made
+
+
+def _prefilter(codes: dict) -> tuple:
+    """What a watch on a rank needs to choose the code objects worth sending out: the
+    answers' bytecode sizes (a copy compiled anew has its answer's) and, per answer long
+    enough for an edited copy to be told (:data:`COPY_MIN_TOKENS`), its global names and
+    size."""
+    tokens: dict = {}  # its own cache: nothing of it stays where the learner's code looks
+    sizes = frozenset(len(code.co_code) for code in codes if _telling(code))
+    shapes = tuple(
+        (frozenset(code.co_names), len(code.co_code))
+        for code in codes
+        if code.co_filename.startswith(_KIT) and len(_tokens(code, tokens)) >= COPY_MIN_TOKENS
+    )
+    return sizes, shapes
+
+
 def _watch(codes: dict, ran: list, before, counter):
     """A profile function that notes each start of a watched code object (its answer's
     name), a call of sys.setprofile or threading.setprofile from the learner's code
     (:data:`TAMPERED`), and a process-group operation the learner's code calls itself
     (:data:`GROUP`); every event goes on to the profiler that was there before (another
-    watch, a learner's profiler). A closure over a frozen set: nothing on it to clear; and
-    ``counter`` (an ``itertools.count`` that cannot be wound back) counts every note, so
-    that notes taken out of ``ran`` afterwards show."""
-    # a copy is recognised by what its functions do; comprehensions, lambdas and one-line
-    # functions only by identity (a learner's `[p for p in ...]` may well read like the kit's)
-    labels = {_key(code): label for code, label in codes.items() if _telling(code)}
-    watched = frozenset(labels)
-    shapes = tuple(_shapes(codes))  # and a copy edited a little, by what it holds of a long one
-    # id(code) -> (code, its answer's name or None), worked out once per code object: a
-    # code object hashes by value (its constants' tuple again on every call), an id does
-    # not; the entry keeps the code alive, so that its id is not another's later
-    known: dict = {}
-    answer_ids = frozenset(id(code) for code in codes)
+    watch, a learner's profiler). ``counter`` (an ``itertools.count`` that cannot be wound
+    back) counts every note, so that notes taken out of ``ran`` afterwards show.
+
+    On a launched rank (a check's) each note also leaves the process at once, on the
+    rank's sightings pipe, with every code object that may be an edited or recompiled
+    copy of an answer: the check judges those itself, from what left the rank
+    (:func:`seen_by_watches`), not from what the rank's code reports at its end.
+
+    Nothing of its state is within the learner's reach (red team, lab 14: a closure's
+    cells are readable and writable): the profile function is a bound method of an
+    immutable tuple, and the state lives in a generator's frame, which no attribute
+    hands out while the learner's call runs (``gi_frame`` is refused, :func:`hide`).
+    Everything it runs with was bound before the learner's code ran: the module's names
+    (``answers._copy_of``, ``builtins.len``) may be rebound meanwhile, not these. A
+    generator interfered with (closed, thrown into, sent what is not an event) ends the
+    process (:data:`CUT`)."""
     labels_by_id = {id(code): label for code, label in codes.items()}
-    trusted = _trusted()
-    setprofile, threading_setprofile = sys.setprofile, threading.setprofile.__code__
-    ops = _group_ops()
-    tick = counter.__next__
+    sizes, shapes = _prefilter(codes)
+    pipe = _sightings_pipe()
+    state = _judge(
+        labels_by_id, frozenset(labels_by_id), sizes, shapes, _trusted(), _group_ops(), ran,
+        before, counter.__next__, pipe, next(_numbers), library()[0],
+        (sys.setprofile, threading.setprofile.__code__, len, id, set, frozenset, memoryview,
+         type, types.FrameType, str, os.fstat, os.write, marshal.dumps, struct.pack, TAMPERED,
+         GROUP.format, _SCANNED_TYPES, dict.values, dict.get, SCAN_LIMIT, ValueError),
+    )  # fmt: skip
+    next(state)  # runs to its first yield: everything bound, the start sent
+    hide(state)
+    # on a check's rank a watch that stopped seeing ends the process; elsewhere (a
+    # notebook's kernel, the judge) it must not, and a check there has no ranks to trust
+    end = os._exit if pipe is not None else int
+    return types.MethodType(_entry, (state, _thread.RLock(), end))
 
-    # bound now: the learner's code may rebind the module's names while it runs (red team,
-    # lab 14: answers._copy_of = lambda *a: None), not these
-    key_of, copy_of, telling = _key, _copy_of, _telling
 
-    def answer(code):
-        if id(code) in answer_ids:  # before the cache, which the learner's code can reach
-            return labels_by_id.get(id(code), "ok.?")  # (through sys.getprofile's closure)
-        entry = known.get(id(code))
-        if entry is None:
-            if id(code) in trusted:  # the kit's other code (a check's own) may do what an
-                label = None  # answer does, in as many words
-            else:
-                key = key_of(code)
-                label = labels.get(key, "ok.?") if key in watched else None
-                if label is None and telling(code):
-                    label = copy_of(code, shapes)
-            entry = known[id(code)] = (code, label)
-        return entry[1]
+def _entry(bound, frame, event, arg):
+    """The profile function (bound to ``(generator, lock, os._exit)``): one event at a time
+    into the generator. Any failure there, or a generator that has ended, ends the process:
+    a watch that stopped seeing would pass what it missed. (The lock is re-entrant: called
+    by the learner's code, outside a profile event, the call's own events come back here
+    on the same thread, and find the generator running: that ends the process, not a
+    deadlock.)"""
+    try:
+        with bound[1]:
+            bound[0].send((frame, event, arg))
+    except:  # noqa: E722 - a bare except: no name the learner's code could rebind
+        bound[2](87)  # CUT, written out: a global is the learner's to rebind
 
-    def learners(frame) -> bool:
-        return id(frame.f_code) not in trusted
 
-    def note(what: str) -> None:
+_entry.propagates = True  # the kit's communication workers run an op under its watch
+
+
+#: the kinds of object a watch walks for code objects (exactly these types: a subclass
+#: could run the learner's code inside the watch), and the most objects one walk visits
+_SCANNED_TYPES = (types.FunctionType, types.CodeType, types.CellType, types.MethodType, dict,
+                  list, tuple, set, frozenset, type)  # fmt: skip
+SCAN_LIMIT = 20000
+
+
+def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, tick, pipe,
+           number, libraries, tools):  # fmt: skip
+    """The watch's state and work (see :func:`_watch`): a generator sent one
+    ``(frame, event, arg)`` per profile event.
+
+    A code object that starts is sent out when it may be an answer's copy (its size, or
+    its names and length, are an answer's). And where the check's or the kit's code calls
+    the learner's (its function, a callback), everything that function can reach (its
+    constants, globals, closure, defaults, arguments) is walked for code objects, which go
+    out the same way: a copy that will run on a thread no profile function reaches (one
+    started from C: red team, session 15) was already seen where it was handed over."""
+    (setprofile, threading_setprofile, len_, id_, set_, frozenset_, memoryview_, type_,
+     frame_type, str_, fstat, write, dumps, pack, tampered, group, kinds, dict_values,
+     dict_get, limit, value_error) = tools  # fmt: skip
+    function_t, code_t, cell_t, method_t, dict_t, list_t, tuple_t, set_t, frozen_t, type_t = kinds
+    containers = (list_t, tuple_t, set_t, frozen_t)
+    append = ran.append
+    seen = set_()  # ids of the code objects looked at, kept alive by ``keep``
+    keep = []
+    sent = set_()  # labels sent out (once each: the check needs which, not how often)
+    fd, identity = pipe if pipe is not None else (None, None)
+    min_copy = 2 * COPIED * COPY_MIN_TOKENS  # bytes of bytecode an edited copy needs
+    torch_files = _TORCH + os.sep
+    installed = _INSTALLED
+
+    def send(kind, data):
+        if fd is None:
+            return
+        st = fstat(fd)  # the pipe it was given, not one put in its place
+        if (st.st_dev, st.st_ino) != identity:
+            raise OSError("the sightings pipe was replaced")
+        message = pack("!BI", kind, number) + data
+        view = memoryview_(pack("!i", len_(message)) + message)
+        while len_(view):
+            view = view[write(fd, view) :]
+
+    def note(what):
         tick()
-        ran.append(what)
+        append(what)
+        if what not in sent:
+            sent.add(what)
+            send(1, what.encode())  # NOTE
 
-    def watch(frame, event, arg):
+    def worth_sending(code):
+        """May ``code`` be a copy of an answer (whatever its name: the learner's to choose)?"""
+        size = len_(code.co_code)
+        if size < 48:  # TELLING_BYTES
+            return False
+        if size in sizes:  # an answer's own bytecode is this long
+            return True
+        if size < min_copy:
+            return False
+        mine = frozenset_(code.co_names)
+        for their_names, their_size in shapes:
+            if 2 * len_(mine & their_names) >= len_(their_names):
+                return True
+            # (no upper bound: unused lines added take nothing from a copy: red team
+            # round 2, session 15 padded one past 1.6× the answer's size)
+            if 0.8 * their_size <= size:
+                return True
+        return False
+
+    def look(code):
+        """Send ``code`` out (once) when it may be a copy."""
+        key = id_(code)
+        if key in seen:
+            return False
+        seen.add(key)
+        keep.append(code)
+        if key not in trusted and key not in libraries and key not in answer_ids and fd is not None:
+            if worth_sending(code):
+                send(2, dumps(code))  # CODE: the check judges it
+        return True
+
+    def walk(roots):
+        """Every code object reachable from ``roots``, looked at (see the docstring)."""
+        todo, visited, count = list_t(roots), set_(), 0
+        while todo and count < limit:
+            obj = todo.pop()
+            key = id_(obj)
+            if key in visited:
+                continue
+            visited.add(key)
+            count += 1
+            kind = type_(obj)
+            if kind is code_t:
+                look(obj)
+                todo.extend(obj.co_consts)
+            elif kind is function_t:
+                code = obj.__code__
+                if id_(code) in trusted or id_(code) in libraries:  # nothing of the learner's
+                    continue
+                todo.append(code)
+                if code.co_filename.startswith(torch_files):
+                    continue  # looked at (a copy may claim torch's file), not walked into
+                todo.append(obj.__defaults__)
+                todo.append(obj.__kwdefaults__)
+                todo.append(obj.__closure__)
+                scope = obj.__globals__
+                if type_(scope) is dict_t:
+                    for inner in (code, *code.co_consts):
+                        if type_(inner) is code_t:
+                            todo.extend(dict_get(scope, name) for name in inner.co_names)
+            elif kind is cell_t:
+                try:
+                    todo.append(obj.cell_contents)
+                except value_error:  # an empty cell
+                    pass
+            elif kind is method_t:
+                todo.append(obj.__func__)
+            elif kind is dict_t:
+                todo.extend(dict_values(obj))
+            elif kind in containers:
+                todo.extend(obj)
+            elif kind is type_t:
+                todo.extend(obj.__dict__.values())
+
+    send(0, b"")  # START
+    while True:
+        frame, event, arg = yield
+        # what else the learner's code might send in (a frame-like object whose f_code,
+        # a str whose __eq__, would run its code in here) ends the watch: see _entry
+        if type_(frame) is not frame_type or type_(event) is not str_:
+            raise TypeError("not a profile event")
         if event == "call":
             code = frame.f_code
-            if (label := answer(code)) is not None:
-                note(label)
-            elif code is threading_setprofile and learners(frame.f_back):
-                note(TAMPERED)
-        elif event == "c_call" and learners(frame):
+            key = id_(code)
+            if key in answer_ids:
+                note(labels_by_id[key])
+            elif code is threading_setprofile and (
+                frame.f_back is None or id_(frame.f_back.f_code) not in trusted
+            ):
+                note(tampered)
+            elif code.co_name == "<module>" and code.co_filename.startswith(installed):
+                pass  # a library imported meanwhile: its functions run as it loads them
+            elif look(code) and key not in trusted and key not in libraries and fd is not None:
+                back = frame.f_back
+                # the learner's code entered from the check's or the kit's (not torch's
+                # own functions, called from the kit by the hundred)
+                if (back is not None and id_(back.f_code) in trusted
+                        and not code.co_filename.startswith(torch_files)):  # fmt: skip
+                    scope = frame.f_globals
+                    roots = [code, *dict_values(frame.f_locals)]
+                    for inner in (code, *code.co_consts):
+                        if type_(inner) is code_t and type_(scope) is dict_t:
+                            roots.extend(dict_get(scope, name) for name in inner.co_names)
+                    walk(roots)
+        elif event == "c_call" and id_(frame.f_code) not in trusted:
             if arg is setprofile:
-                note(TAMPERED)
-            elif id(arg) in ops:  # (a partial's call of one shows no event: lab 09 counts
-                note(GROUP.format(ops[id(arg)]))  # the values the kit moved as well)
+                note(tampered)
+            elif id_(arg) in ops:  # (a partial's call of one shows no event: lab 09 counts
+                note(group(ops[id_(arg)]))  # the values the kit moved as well)
         if before is not None:
             before(frame, event, arg)
 
-    watch.propagates = True  # the kit's communication workers run an op under its watch
-    return watch
+
+def _hider(hidden: set, keep: list, id_=id, frames=frozenset({"gi_frame", "cr_frame", "ag_frame"})):
+    """An audit hook (PEP 578: never removed, never listed, so its state is out of reach)
+    that refuses handing out the frame of an object hidden with :func:`hide`."""
+
+    def hook(event, args):
+        if event == "overlapkit.hide":
+            keep.append(args[0])  # alive: its id stays its own
+            hidden.add(id_(args[0]))
+        elif event == "object.__getattr__" and args[1] in frames and id_(args[0]) in hidden:
+            raise RuntimeError(
+                "the check's watch is not yours to read: its frame is refused while a check "
+                "runs (the watch judges your function; nothing in it helps the exercise)"
+            )
+
+    return hook
+
+
+_hider_installed: list = []
+
+
+def hide(obj) -> None:
+    """From now on in this process, ``obj``'s frame (a generator's ``gi_frame``) is refused
+    to everyone: the state a watch keeps there is out of reach."""
+    if not _hider_installed:
+        sys.addaudithook(_hider(set(), []))
+        _hider_installed.append(True)
+    sys.audit("overlapkit.hide", obj)
+
+
+def seen_by_watches(messages: list[bytes], garbled: bool, requested: list) -> list[list[str]]:
+    """What each of a rank's watches saw, judged here from what it sent out on the rank's
+    sightings pipe (``launcher.sightings``): ``requested``, the answers' names of each watch
+    the check made on the rank, in the order it made them. An answer seen by identity is
+    named by the rank; a code object sent out is named here when it is an answer's copy
+    (compiled anew, or edited). A message that is not the watch's, or a pipe that carried
+    anything else, makes every watch's list say :data:`TAMPERED`."""
+    starts: list[int] = []
+    notes: dict[int, list[str]] = {}
+    codes: dict[int, list[bytes]] = {}
+    made: list[tuple[int, bytes]] = []  # the call's audit hook's, for every watch
+    broken = garbled
+    for message in messages:
+        try:
+            kind, number = struct.unpack_from("!BI", message)
+            data = message[5:]
+            if kind == START:
+                starts.append(number)
+            elif kind == NOTE:
+                notes.setdefault(number, []).append(data.decode())
+            elif kind == CODE:
+                codes.setdefault(number, []).append(data)
+            elif kind in (SOURCE, MADE, BYTECODE) and number == EVERY_WATCH:
+                made.append((kind, data))
+            else:
+                broken = True
+        except (struct.error, UnicodeDecodeError):
+            broken = True
+    out = []
+    for number, names in zip(starts, requested, strict=False):
+        seen = list(notes.get(number, []))
+        for blob in codes.get(number, []):
+            try:
+                label = _judged_copy(blob, tuple(names))
+            except Exception:  # noqa: BLE001 - not a code object of the rank's: its code's
+                label = TAMPERED
+            if label is not None:
+                seen.append(label)
+        for kind, data in made:
+            label = _judged_made(kind, data, tuple(names))
+            if label is not None:
+                seen.append(label)
+        out.append(seen + [TAMPERED] * broken)
+    out += [[TAMPERED] * broken for _ in requested[len(out) :]]
+    return out
+
+
+def _judged_made(kind: int, data: bytes, names: tuple) -> str | None:
+    """The answer (of ``names``) that code made during the call copies, if any: source
+    text compiled (here, never run), a code object's marshal, or bytecode made by hand."""
+    if kind == BYTECODE:
+        if names not in _judged:
+            _remember(names, code_objects(names))
+        for key, label in _judged[names][0].items():
+            if key[0] == data:  # (_key's first field: the bytecode)
+                return label
+        return None
+    try:
+        if kind == SOURCE:
+            code = compile(data, "<made during the call>", "exec", dont_inherit=True)
+        else:
+            code = marshal.loads(data)
+    except Exception:  # noqa: BLE001 - text that is no program, data that is no code
+        return None
+    if not isinstance(code, types.CodeType):
+        return None
+    for inner in _nested(code):
+        if len(inner.co_code) >= TELLING_BYTES:
+            label = _judged_copy(marshal.dumps(inner), names)
+            if label is not None:
+                return f"{label}, made while your function ran"
+    return None
+
+
+_judged: dict = {}
+
+
+def _remember(names: tuple, codes: dict) -> None:
+    """What the answers ``names`` look like (``codes``: their code, not disarmed), for
+    :func:`_judged_copy`: what a copy's key would be, and the long answers' shapes."""
+    if names not in _judged:
+        telling = {_key(code): label for code, label in codes.items() if _telling(code)}
+        _judged[names] = (telling, _shapes(codes))
+
+
+def _judged_copy(blob: bytes, names: tuple) -> str | None:
+    """The answer (of ``names``) whose copy the marshalled code object ``blob`` is, or None.
+    Worked out in the judging process, never on the rank."""
+    key = (blob, names)
+    if key not in _judged:
+        if names not in _judged:  # (a check that watches here remembered them undisarmed)
+            _remember(names, code_objects(names))
+        telling, shapes = _judged[names]
+        code = marshal.loads(blob)
+        if not isinstance(code, types.CodeType):
+            raise TypeError("not a code object")
+        label = telling.get(_key(code))
+        if label is None and len(code.co_code) >= TELLING_BYTES:  # whatever its name
+            label = _copy_of(code, shapes, cache={})
+        _judged[key] = label
+    return _judged[key]
 
 
 #: the lists of the watches open now: a refused answer is noted in each
@@ -523,6 +970,8 @@ def running(names):
     before, before_threads = sys.getprofile(), threading.getprofile()
     counter = itertools.count()
     codes = code_objects(names)
+    if _sightings_pipe() is None:  # the judging side: the answers' code as it is now, whole
+        _remember(tuple(names), codes)
     watch = _watch(codes, ran, before, counter)
     _open.append(ran)
     sys.setprofile(watch)
@@ -558,10 +1007,21 @@ GROUP = "torch's {} (called on a process group directly)"
 
 #: what :func:`traffic.recording` notes when the learner's code changed its record
 RECORD = "traffic record"
+#: what a check notes when a rank's watch was cut off (the rank ended with :data:`CUT`)
+CUT_OFF = "watch cut off"
+
+
+def cut_off(exc: BaseException) -> bool:
+    """Whether a launch failed because a rank's watch was cut off (:data:`CUT`)."""
+    return getattr(exc, "died", False) and getattr(exc, "exitcode", None) == CUT
 
 
 def said(ran: list[str]) -> str:
     """What a learner is told about the answers ``ran`` (non-empty)."""
+    if CUT_OFF in ran:
+        return ("cut off the check's watch (its pipe out of the process closed or replaced, "
+                "or its state interfered with), which ended the process: the check cannot see "
+                "what ran, so it fails")  # fmt: skip
     if RECORD in ran:
         return ("changed the check's record of its messages (traffic.current()): the check "
                 "cannot trust what it saw, so it fails")  # fmt: skip

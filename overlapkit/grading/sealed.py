@@ -105,6 +105,7 @@ def call(fn, *args, timeout: float = CALL_TIMEOUT_S, **kwargs):
         dumps_keeping_filenames,
         launch,
     )
+    from . import answers  # noqa: PLC0415
 
     name = getattr(fn, "__name__", "the function")
     if getattr(fn, "hung", None) is not None:  # one hang is enough to wait for, not one per case
@@ -118,9 +119,10 @@ def call(fn, *args, timeout: float = CALL_TIMEOUT_S, **kwargs):
                         f"{fn.unsendable} (it must pickle: no open files, locks or sockets "
                         "in what it uses)")  # fmt: skip
     watched = list(_watching)
+    reported: list | None = None
     try:
         with plaindata.distrust():  # its value is read as plain data, in a notebook too
-            value, seen = launch(
+            value, reported = launch(
                 _call_on_rank,
                 dumps_keeping_filenames(fn),
                 dumps_keeping_filenames((args, kwargs)),
@@ -134,6 +136,8 @@ def call(fn, *args, timeout: float = CALL_TIMEOUT_S, **kwargs):
             fn.hung = timeout
         raise TimeoutError(f"{name}() did not return within {timeout:g} s") from None
     except RankFailedError as exc:
+        if answers.cut_off(exc):
+            raise answers.AnswerRan(f"{name}() {answers.said([answers.CUT_OFF])}") from None
         if isinstance(fn, Sealed) and exc.died:  # its process ended: it did not raise
             fn.crashed = str(exc)
         unread = "rank 0 returned a value that cannot be read"
@@ -141,9 +145,30 @@ def call(fn, *args, timeout: float = CALL_TIMEOUT_S, **kwargs):
             raise TypeError(f"{name}() returned a value that cannot be read"
                             f"{str(exc)[len(unread):]}") from None  # fmt: skip
         raise
-    for (_, into), got in zip(watched, _as_lists(seen, len(watched)), strict=True):
-        into.extend(got)
+    finally:
+        # what the rank's watches sent out as they saw it, raised or not; with what the
+        # rank says at its end, which can add to that but not take from it
+        _record(watched, reported)
     return value
+
+
+def _record(watched: list, reported) -> None:
+    from ..launcher import sightings  # noqa: PLC0415
+    from . import answers  # noqa: PLC0415
+
+    said = _as_lists(reported, len(watched))
+    answers_watched = [what[1] for what, _ in watched if what[0] == "answers" and what[1]]
+    sent = sightings()
+    if sent is None:
+        seen = [[] for _ in answers_watched]
+    else:
+        messages, garbled = sent
+        seen = answers.seen_by_watches(messages.get(0, []), 0 in garbled, answers_watched)
+    sent_lists = iter(seen)
+    for (what, into), got in zip(watched, said, strict=True):
+        if what[0] == "answers" and what[1]:
+            got = next(sent_lists) + got
+        into.extend(got)
 
 
 def _as_lists(seen, n: int) -> list[list]:
@@ -209,7 +234,21 @@ _GUARDED = (
     "gc.get_objects",
     "gc.get_referrers",
     "gc.get_referents",
+    # C code called through ctypes: a thread started from C runs Python no profile function
+    # watches (red team, session 15: pthread_create), and memory read by address bypasses
+    # every guard of the watch's state
+    "ctypes.dlopen",
+    "ctypes.dlsym",
+    "ctypes.dlsym/handle",
+    "ctypes.call_function",
+    "ctypes.cdata",
+    "ctypes.cdata/buffer",
+    "ctypes.addressof",
+    "ctypes.string_at",
+    "ctypes.wstring_at",
 )
+#: the audit events of code made while the call runs (answers.code_made_meanwhile)
+_MAKES_CODE = frozenset({"compile", "exec", "marshal.loads", "code.__new__"})
 #: what the guard refused during the call, in words (a caught refusal still counts)
 _REFUSED: list[str] = []
 
@@ -231,7 +270,7 @@ def _guard_the_call(files: bool = True) -> None:
 
     import overlapkit  # noqa: PLC0415
 
-    kit = os.path.dirname(os.path.abspath(overlapkit.__file__)) + os.sep
+    kit = os.path.dirname(os.path.realpath(overlapkit.__file__)) + os.sep
     marker = _the_call.__code__
     main = threading.get_ident()  # the call runs in this thread
     from . import answers  # noqa: PLC0415
@@ -242,6 +281,7 @@ def _guard_the_call(files: bool = True) -> None:
 
     takes_the_watch_on = {threading.Thread._bootstrap_inner.__code__, *_nested_code(raw, "run"),
                           _Executor._loop.__code__}  # fmt: skip
+    calls_c = answers.library()[1]
 
     def inside() -> bool:
         """Is the learner's call running (seen from the thread that runs it)?"""
@@ -255,7 +295,13 @@ def _guard_the_call(files: bool = True) -> None:
             frame = frame.f_back
         return False
 
+    made = answers.code_made_meanwhile()
+
     def hook(event, args):
+        if event in _MAKES_CODE:
+            if inside():
+                made(event, args, sys._getframe(1).f_code.co_filename)
+            return
         if event not in _GUARDED or not inside():
             return
         elsewhere = threading.get_ident() != main
@@ -269,23 +315,38 @@ def _guard_the_call(files: bool = True) -> None:
             path = args[0]
             if isinstance(path, int):
                 return
-            try:
-                path = os.path.abspath(os.fsdecode(path))
+            try:  # (a link to the kit's file is the kit's file)
+                path = os.path.realpath(os.fsdecode(path))
             except (TypeError, ValueError):
                 return
+            if not path.startswith(kit):
+                return
+            # source lines, read for a warning or a traceback (linecache, tokenize), are
+            # refused without a verdict: linecache then shows no line; and a copy of the
+            # kit's source taken that way (inspect.getsource) is none to be had
+            if sys._getframe(1).f_code.co_filename.endswith(_LINE_READERS):
+                raise PermissionError("the kit's source is not read while a check runs")
             # without ``files`` (a recorded check's ranks import the kit lazily): only a
             # module already imported, whose fresh copy would not be disarmed (red team,
             # lab 13: compression.py loaded again under another name and run on a thread
-            # started from C, which no profiler watches); source lines read for a warning
-            # or a traceback (linecache) are not code that runs
-            if path.startswith(kit) and not files:
-                caller = sys._getframe(1).f_code.co_filename
-                if not _imported(path[len(kit) :]) or caller.endswith(_LINE_READERS):
+            # started from C, which no profiler watches)
+            if not files and not _imported(path[len(kit) :]):
+                return
+            _REFUSED.append(f"your function opened the kit's own file {path[len(kit) :]}: "
+                            "an exercise is written, not loaded from the kit")  # fmt: skip
+            raise PermissionError(_REFUSED[-1])
+        elif event.startswith("ctypes."):
+            frame = sys._getframe(1)
+            for _ in range(4):  # (through ctypes' own Python: CDLL() opens the library)
+                if frame is None:
+                    break
+                if frame.f_code in calls_c:  # the kit's own shared-memory link, timer slack
                     return
-            if path.startswith(kit):
-                _REFUSED.append(f"your function opened the kit's own file {path[len(kit) :]}: "
-                                "an exercise is written, not loaded from the kit")  # fmt: skip
-                raise PermissionError(_REFUSED[-1])
+                frame = frame.f_back
+            _REFUSED.append(f"your function called C code through ctypes ({event}): an "
+                            "exercise never needs it (a thread started from C, or memory read "
+                            "by its address, is out of the check's sight)")  # fmt: skip
+            raise RuntimeError(_REFUSED[-1])
         elif event.startswith("gc."):  # what finds the watch's state by its references
             _REFUSED.append(f"your function called {event}: an exercise never needs the "
                             "garbage collector's view of the check")  # fmt: skip

@@ -338,18 +338,40 @@ def run_recorded(fn, *args, world_size: int, timeout: float, link=None, forbid=(
     ``link``: an ``ok.Link`` for the run's ok.p2p messages (checks use one that costs
     nothing, for its headers: a send and a receive that disagree are an error there,
     not a crash of the process)."""
-    from ..launcher import dumps_keeping_filenames, launch  # noqa: PLC0415
+    from ..launcher import dumps_keeping_filenames, launch, sightings  # noqa: PLC0415
 
     # the ranks' own prints would make check output vary from run to run
-    return launch(
-        _recorded,
-        dumps_keeping_filenames(fn),
-        dumps_keeping_filenames((args, kwargs)),
-        tuple(forbid),
-        payloads,
-        world_size=world_size,
-        timeout=timeout,
-        quiet=True,
-        link=link,
-        rank_kwargs=rank_kwargs,
-    )
+    try:
+        results = launch(
+            _recorded,
+            dumps_keeping_filenames(fn),
+            dumps_keeping_filenames((args, kwargs)),
+            tuple(forbid),
+            payloads,
+            world_size=world_size,
+            timeout=timeout,
+            quiet=True,
+            link=link,
+            rank_kwargs=rank_kwargs,
+        )
+    except Exception as exc:
+        _judge_sightings(world_size, forbid, sightings(), exc)
+        raise
+    _judge_sightings(world_size, forbid, sightings(), None)
+    return results
+
+
+def _judge_sightings(world: int, forbid, sent, failure) -> None:
+    """Raise :class:`answers.AnswerRan` for the first rank whose watch saw the kit's answer
+    run (or was cut off): judged from what the watch sent out as it saw it, so that a rank
+    whose code changed its own report still fails. (The rank raises it itself too; that is
+    what a notebook without ranks' pipes relies on.)"""
+    if failure is not None and answers.cut_off(failure):
+        raise answers.AnswerRan.on(failure.rank, [answers.CUT_OFF]) from failure
+    if not forbid or sent is None:
+        return
+    messages, garbled = sent
+    for rank in range(world):
+        (seen,) = answers.seen_by_watches(messages.get(rank, []), rank in garbled, [tuple(forbid)])
+        if seen:
+            raise answers.AnswerRan.on(rank, seen) from failure
