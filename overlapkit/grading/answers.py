@@ -436,6 +436,25 @@ def _sightings_pipe():
     return conn.fileno(), (st.st_dev, st.st_ino)
 
 
+def _writer(pipe, number: int):
+    """``send(kind, data)``: one message on the sightings pipe ``pipe`` = (fd, identity),
+    for the watch ``number``. Made, with all it calls bound, before the learner's code runs;
+    it raises when the pipe is not the one it was given (closed, or another in its place)."""
+    fd, identity = pipe
+    fstat, write, pack, len_, memoryview_ = os.fstat, os.write, struct.pack, len, memoryview
+
+    def send(kind, data):
+        st = fstat(fd)
+        if (st.st_dev, st.st_ino) != identity:
+            raise OSError("the sightings pipe was replaced")
+        message = pack("!BI", kind, number) + data
+        view = memoryview_(pack("!i", len_(message)) + message)
+        while len_(view):
+            view = view[write(fd, view) :]
+
+    return send
+
+
 def code_made_meanwhile():
     """What the audit hook of a learner's call (``sealed._guard_the_call``) does with an
     event that makes code while the call runs, in any thread: ``made(event, args,
@@ -447,28 +466,13 @@ def code_made_meanwhile():
     pipe = _sightings_pipe()
     if pipe is None:
         return lambda event, args, caller: None
-    fd, identity = pipe
-    fstat, write, dumps, pack, exit_, len_, type_ = (
-        os.fstat,
-        os.write,
-        marshal.dumps,
-        struct.pack,
-        os._exit,
-        len,
-        type,
-    )
-    str_, bytes_, code_t, memoryview_ = str, bytes, types.CodeType, memoryview
+    write, dumps, exit_, type_ = _writer(pipe, EVERY_WATCH), marshal.dumps, os._exit, type
+    str_, bytes_, code_t = str, bytes, types.CodeType
     importing = "<frozen importlib"
 
     def send(kind, data):
         try:
-            st = fstat(fd)
-            if (st.st_dev, st.st_ino) != identity:
-                raise OSError("the sightings pipe was replaced")
-            message = pack("!BI", kind, EVERY_WATCH) + data
-            view = memoryview_(pack("!i", len_(message)) + message)
-            while len_(view):
-                view = view[write(fd, view) :]
+            write(kind, data)
         except BaseException:  # noqa: BLE001 - unseen is unjudged: end the process
             exit_(87)
 
@@ -535,12 +539,13 @@ def _watch(codes: dict, ran: list, before, counter):
     labels_by_id = {id(code): label for code, label in codes.items()}
     sizes, shapes = _prefilter(codes)
     pipe = _sightings_pipe()
+    send = _writer(pipe, next(_numbers)) if pipe is not None else None
     state = _judge(
         labels_by_id, frozenset(labels_by_id), sizes, shapes, _trusted(), _group_ops(), ran,
-        before, counter.__next__, pipe, next(_numbers), library()[0],
-        (sys.setprofile, threading.setprofile.__code__, len, id, set, frozenset, memoryview,
-         type, types.FrameType, str, os.fstat, os.write, marshal.dumps, struct.pack, TAMPERED,
-         GROUP.format, _SCANNED_TYPES, dict.values, dict.get, SCAN_LIMIT, ValueError),
+        before, counter.__next__, send, library()[0],
+        (sys.setprofile, threading.setprofile.__code__, len, id, set, frozenset, type,
+         types.FrameType, str, marshal.dumps, TAMPERED, GROUP.format, _SCANNED_TYPES,
+         dict.values, dict.get, SCAN_LIMIT, ValueError),
     )  # fmt: skip
     next(state)  # runs to its first yield: everything bound, the start sent
     hide(state)
@@ -574,8 +579,8 @@ _SCANNED_TYPES = (types.FunctionType, types.CodeType, types.CellType, types.Meth
 SCAN_LIMIT = 20000
 
 
-def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, tick, pipe,
-           number, libraries, tools):  # fmt: skip
+def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, tick, out,
+           libraries, tools):  # fmt: skip
     """The watch's state and work (see :func:`_watch`): a generator sent one
     ``(frame, event, arg)`` per profile event.
 
@@ -585,30 +590,22 @@ def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, t
     constants, globals, closure, defaults, arguments) is walked for code objects, which go
     out the same way: a copy that will run on a thread no profile function reaches (one
     started from C: red team, session 15) was already seen where it was handed over."""
-    (setprofile, threading_setprofile, len_, id_, set_, frozenset_, memoryview_, type_,
-     frame_type, str_, fstat, write, dumps, pack, tampered, group, kinds, dict_values,
-     dict_get, limit, value_error) = tools  # fmt: skip
+    (setprofile, threading_setprofile, len_, id_, set_, frozenset_, type_, frame_type, str_,
+     dumps, tampered, group, kinds, dict_values, dict_get, limit, value_error) = tools  # fmt: skip
     function_t, code_t, cell_t, method_t, dict_t, list_t, tuple_t, set_t, frozen_t, type_t = kinds
     containers = (list_t, tuple_t, set_t, frozen_t)
     append = ran.append
     seen = set_()  # ids of the code objects looked at, kept alive by ``keep``
     keep = []
     sent = set_()  # labels sent out (once each: the check needs which, not how often)
-    fd, identity = pipe if pipe is not None else (None, None)
     min_copy = 2 * COPIED * COPY_MIN_TOKENS  # bytes of bytecode an edited copy needs
     torch_files = _TORCH + os.sep
     installed = _INSTALLED
+    sends = out is not None  # (outside a check's rank the watch only notes)
 
     def send(kind, data):
-        if fd is None:
-            return
-        st = fstat(fd)  # the pipe it was given, not one put in its place
-        if (st.st_dev, st.st_ino) != identity:
-            raise OSError("the sightings pipe was replaced")
-        message = pack("!BI", kind, number) + data
-        view = memoryview_(pack("!i", len_(message)) + message)
-        while len_(view):
-            view = view[write(fd, view) :]
+        if sends:
+            out(kind, data)
 
     def note(what):
         tick()
@@ -643,7 +640,7 @@ def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, t
             return False
         seen.add(key)
         keep.append(code)
-        if key not in trusted and key not in libraries and key not in answer_ids and fd is not None:
+        if key not in trusted and key not in libraries and key not in answer_ids and sends:
             if worth_sending(code):
                 send(2, dumps(code))  # CODE: the check judges it
         return True
@@ -709,7 +706,7 @@ def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, t
                 note(tampered)
             elif code.co_name == "<module>" and code.co_filename.startswith(installed):
                 pass  # a library imported meanwhile: its functions run as it loads them
-            elif look(code) and key not in trusted and key not in libraries and fd is not None:
+            elif look(code) and key not in trusted and key not in libraries and sends:
                 back = frame.f_back
                 # the learner's code entered from the check's or the kit's (not torch's
                 # own functions, called from the kit by the hundred)
