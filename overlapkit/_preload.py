@@ -10,3 +10,4 @@ warmup.warm_torch()
 from .grading import answers  # noqa: E402
 
 answers.library()
+answers._trusted()  # the same for the ids of the kit's and torch.distributed's code

@@ -387,6 +387,12 @@ def library() -> tuple[frozenset[int], frozenset]:
     return _library[0]
 
 
+#: module name -> (the module, the ids of its code objects), for :func:`_trusted`: filled
+#: in the forkserver (``overlapkit._preload``) for what it loaded, so that a rank's watch
+#: only looks into the modules loaded since (ids only: no code object is handed out here)
+_trusted_by_module: dict[str, tuple] = {}
+
+
 def _trusted() -> frozenset[int]:
     """The ids of the code objects of the kit's and torch.distributed's own modules, as
     loaded (by identity: code compiled elsewhere under their file names is not theirs):
@@ -401,8 +407,11 @@ def _trusted() -> frozenset[int]:
             path = getattr(module, "__file__", None) or ""
             if not path.startswith((_KIT, _TORCH)) or module.__name__ != name:
                 continue
-            for fn in _functions(module):
-                found.update(id(c) for c in _nested(fn.__code__))
+            known = _trusted_by_module.get(name)
+            if known is None or known[0] is not module:  # (a module loaded afresh: looked into)
+                ids = frozenset(id(c) for fn in _functions(module) for c in _nested(fn.__code__))
+                known = _trusted_by_module[name] = (module, ids)
+            found.update(known[1])
     # a thread's own start sets threading.setprofile's profiler (under the watch that
     # _raw_threads_watched gave it first)
     found.add(id(threading.Thread._bootstrap_inner.__code__))
@@ -500,17 +509,29 @@ def code_made_meanwhile():
     return made
 
 
+#: the opcodes :func:`_tokens` leaves out (CACHE: 3.11's inline caches, which dis hides)
+_UNCOUNTED = frozenset(
+    dis.opmap[name] for name in ("CACHE", "RESUME", "NOP", "EXTENDED_ARG") if name in dis.opmap
+)
+
+
+def _token_count(code: types.CodeType) -> int:
+    """``len(_tokens(code))`` read off the bytecode's 2-byte units, without dis (which
+    builds an object per instruction: most of a watch's start-up on every rank)."""
+    ops = code.co_code[::2]
+    return len(ops) - sum(ops.count(op) for op in _UNCOUNTED)
+
+
 def _prefilter(codes: dict) -> tuple:
     """What a watch on a rank needs to choose the code objects worth sending out: the
     answers' bytecode sizes (a copy compiled anew has its answer's) and, per answer long
     enough for an edited copy to be told (:data:`COPY_MIN_TOKENS`), its global names and
     size."""
-    tokens: dict = {}  # its own cache: nothing of it stays where the learner's code looks
     sizes = frozenset(len(code.co_code) for code in codes if _telling(code))
     shapes = tuple(
         (frozenset(code.co_names), len(code.co_code))
         for code in codes
-        if code.co_filename.startswith(_KIT) and len(_tokens(code, tokens)) >= COPY_MIN_TOKENS
+        if code.co_filename.startswith(_KIT) and _token_count(code) >= COPY_MIN_TOKENS
     )
     return sizes, shapes
 

@@ -217,7 +217,9 @@ def _run_ag(ag_matmul, seed: int):
     counter = {"send": 0, "recv": 0}
     peers = _Patient(me)
 
-    sending: dict = {}  # data_ptr -> the send's handle, while it may still read it
+    # what each send in flight reads, held (not its address: a tensor sent and dropped
+    # would free its memory for the next empty_like, and look like a receive into it)
+    sending: dict = {}  # send number -> the tensor it may still read
     aliased = []
 
     def isend(tensor, dst, group=None):
@@ -225,12 +227,12 @@ def _run_ag(ag_matmul, seed: int):
         log.mark("send", n)
         handle = log.wrap_handle(orig_isend(tensor, dst, group), "send waited", n)
         handle = peers.wrap(handle, "send", dst)
-        ptr, inner = tensor.data_ptr(), handle.wait
-        sending[ptr] = handle
+        inner = handle.wait
+        sending[n] = tensor
 
         def wait(*args, **kwargs):
             result = inner(*args, **kwargs)
-            sending.pop(ptr, None)  # sent: its memory may be used again
+            sending.pop(n, None)  # sent: its memory may be used again
             return result
 
         handle.wait = wait
@@ -239,7 +241,7 @@ def _run_ag(ag_matmul, seed: int):
     def irecv(tensor, src, group=None):
         n = counter["recv"] = counter["recv"] + 1
         log.mark("recv", n)
-        if tensor.data_ptr() in sending:  # receiving over what is being sent
+        if any(inflight.overlaps(tensor, sent) for sent in sending.values()):  # over a send
             aliased.append(n)
             return log.wrap_handle(orig_irecv(tensor, src, group), "recv waited", n)
         # the race guard of the kit's collectives, for a message: the message lands in a
