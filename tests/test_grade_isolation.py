@@ -236,6 +236,69 @@ def test_a_same_size_edit_with_its_modification_time_put_back_is_still_noticed(t
         _grade(tmp_path, labs, notebook(ONE_F_ONE_B, ASSIGN, extra=[sneak]))
 
 
+# red team, session 16: a cell put a package into site-packages that every later Python
+# loads (a torch plug-in's entry point, numpy's _distributor_init_local): it rewrote the
+# judge's json.dumps, and the grader gave 4/4 to an unfinished notebook. Here the cell
+# writes into a stand-in import root, not the test's own site-packages.
+_PLUG_IN = (
+    "import pathlib\nroot = pathlib.Path({root!r})\n"
+    "(root / 'zz_backend_ext').mkdir()\n(root / 'zz_backend_ext' / '__init__.py').write_text('')\n"
+    "(root / 'zz_backend_ext-0.1.dist-info').mkdir()\n"
+    "(root / 'zz_backend_ext-0.1.dist-info' / 'entry_points.txt').write_text("
+    "'[torch.backends]\\nzz = zz_backend_ext:init\\n')"
+)
+_NESTED = (
+    "import pathlib\nplace = pathlib.Path({root!r}) / 'numpy' / '_distributor_init_local'\n"
+    "place.mkdir()\n(place / '__init__.py').write_text('')"
+)
+
+
+@pytest.mark.parametrize(
+    "cell, added",
+    [
+        (_PLUG_IN, "zz_backend_ext-0.1.dist-info (added"),
+        (_NESTED, "_distributor_init_local (added"),
+    ],  # fmt: skip
+    ids=["plug_in", "nested_package"],
+)
+def test_a_package_a_notebook_adds_where_python_imports_from_stops_the_grading(
+    tmp_path, labs, monkeypatch, cell, added
+):
+    from overlapkit.grade import tamper
+    from overlapkit.grade.tamper import EnvironmentChanged
+
+    root = tmp_path / "site-packages"
+    (root / "numpy").mkdir(parents=True)
+    monkeypatch.setattr(tamper, "import_roots", lambda: [os.path.join(str(root), "")])
+    nb = notebook(ONE_F_ONE_B, ASSIGN, extra=[cell.format(root=str(root))])
+    with pytest.raises(EnvironmentChanged) as stopped:
+        _grade(tmp_path, labs, nb)
+    assert added in str(stopped.value), stopped.value
+
+
+def test_the_judge_runs_with_torchs_plug_ins_off(tmp_path):
+    """An installed ``torch.backends`` entry point runs at ``import torch``; not in a judge."""
+    dist = tmp_path / "zzplug-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: zzplug\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[torch.backends]\nzz = zzplug:init\n")
+    marker = tmp_path / "ran"
+    (tmp_path / "zzplug.py").write_text(f"def init():\n    open({str(marker)!r}, 'w').close()\n")
+    import subprocess
+
+    from overlapkit.grade.judge import judge_environment
+
+    loaded = {}
+    for name, env in (("plain", dict(os.environ)), ("judge", judge_environment())):
+        env["PYTHONPATH"] = str(tmp_path)
+        subprocess.run([sys.executable, "-c", "import torch"], env=env, check=True, timeout=120)
+        loaded[name] = marker.exists()
+        marker.unlink(missing_ok=True)
+    if not loaded["plain"]:
+        pytest.skip("this torch loads no device back-end plug-ins (before 2.5)")
+    assert not loaded["judge"]
+
+
 def _in_a_notebook(source: str):
     """The function ``source`` defines, as a notebook's cell would (in ``__main__``): it
     pickles by value, so a rank does not import this test module to run it."""

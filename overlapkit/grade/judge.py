@@ -43,6 +43,15 @@ LIGHT = frozenset({"check_fit_alpha_beta", "check_bytes_moved", "check_memory_pe
                    "check_all_reduce", "check_topk_with_feedback",
                    "check_mesh_groups"})  # fmt: skip
 
+
+def judge_environment() -> dict[str, str]:
+    """The judge's (and so its ranks') environment: the grader's, with torch's plug-ins
+    off. ``import torch`` otherwise runs every ``torch.backends`` entry point installed
+    (red team, session 16: a notebook installed one that rewrote the judge's report; the
+    folder it added is noticed too, :mod:`.tamper`)."""
+    return {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+
+
 _RUNNER = r"""
 import ctypes, os, sys
 try:  # first: PR_SET_DUMPABLE 0, no other process of this user may open our fds or memory
@@ -134,7 +143,7 @@ def run_check(ex: Exercise, folder: str, limit: float, shown: dict | None = None
                 [sys.executable, "-I", "-c", _RUNNER, str(write), ex.check, folder,
                  json.dumps(ex.names), json.dumps(ex.kwargs), json.dumps(shown or {})],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=(write,), cwd=home, start_new_session=True,
+                pass_fds=(write,), cwd=home, start_new_session=True, env=judge_environment(),
             )  # fmt: skip
         finally:
             os.close(write)
