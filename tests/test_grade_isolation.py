@@ -276,6 +276,53 @@ def test_a_package_a_notebook_adds_where_python_imports_from_stops_the_grading(
     assert added in str(stopped.value), stopped.value
 
 
+# red team, session 16, round 2: a .pyc that only the judge loads (torch.load's
+# serialization package) rewritten in place, its header kept: no folder changes
+_IN_PLACE = (
+    "import os, pathlib\n"
+    "p = pathlib.Path({root!r}) / 'numpy' / '__pycache__' / 'mod.cpython-311.pyc'\n"
+    "st = os.stat(p)\nwith open(p, 'r+b') as f:\n    f.seek(16)\n    f.write(b'forged')\n"
+    "os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))"
+)
+
+
+def test_a_file_a_notebook_edits_in_place_where_python_imports_from_stops_the_grading(
+    tmp_path, labs, monkeypatch
+):
+    from overlapkit.grade import tamper
+    from overlapkit.grade.tamper import EnvironmentChanged
+
+    root = tmp_path / "site-packages"
+    (root / "numpy" / "__pycache__").mkdir(parents=True)
+    (root / "numpy" / "__pycache__" / "mod.cpython-311.pyc").write_bytes(bytes(64))
+    monkeypatch.setattr(tamper, "import_roots", lambda: [os.path.join(str(root), "")])
+    nb = notebook(ONE_F_ONE_B, ASSIGN, extra=[_IN_PLACE.format(root=str(root))])
+    with pytest.raises(EnvironmentChanged) as stopped:
+        _grade(tmp_path, labs, nb)
+    assert "mod.cpython-311.pyc (changed)" in str(stopped.value), stopped.value
+
+
+def test_what_chooses_the_judges_interpreter_is_fingerprinted_there_or_not(tmp_path):
+    """Red team, session 16, round 2: ``home`` in pyvenv.cfg pointed the judge at a standard
+    library of the student's; a ``python311.zip`` that does not exist is on sys.path first."""
+    import tempfile
+
+    from overlapkit.grade import tamper
+
+    paths = tamper._interpreter()
+    assert os.path.join(sys.prefix, "pyvenv.cfg") in paths
+    zipped = [p for p in sys.path if p.endswith(".zip")]
+    assert all(os.path.realpath(p) in paths for p in zipped), (zipped, paths)
+    # not the folder the grader runs in, nor /tmp above it (every process writes there)
+    assert os.path.join(tempfile.gettempdir(), "") not in paths
+    assert os.path.join(os.getcwd(), "") not in paths or os.getcwd().startswith(sys.prefix)
+    # a path that was absent and appears is named as added
+    later = tmp_path / "python311.zip"
+    before = {str(later): tamper.ABSENT}
+    later.write_bytes(b"PK")
+    assert tamper.changes(before, tamper.fingerprint(tmp_path, like=before)) == [f"{later} (added)"]
+
+
 def test_the_judge_runs_with_torchs_plug_ins_off(tmp_path):
     """An installed ``torch.backends`` entry point runs at ``import torch``; not in a judge."""
     dist = tmp_path / "zzplug-0.1.dist-info"

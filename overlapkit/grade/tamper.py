@@ -3,17 +3,25 @@
 A student's code runs as the grader's user, so it could rewrite the kit, the lab it is
 graded against, a module the judge imports, or add a ``.pth`` / ``sitecustomize.py`` that
 every later Python runs. Isolation inside one machine cannot forbid that (a container or
-a user of its own for the kernel can); the grader can notice it, and stop: every file of
-every module loaded in the grader (the judge imports the same) and the compiled copies
-Python would load instead (``__pycache__``), the kit's folder, the labs and the site
-folders' start-up files are compared by size, modification time, inode and change time
-(``ctime``: ``os.utime`` can put an old modification time back, not the change time),
-after the kernel and again before each judge. A file *added* anywhere Python imports from
-(a package of the student's dropped into ``site-packages``, a torch plug-in's
-``*.dist-info``, ``numpy/_distributor_init_local``: red team, session 16) changes the
-folder it was added to: every folder under the import roots is compared too (walked once,
-then only stat'ed). The modules the judge and its ranks load (torch's lazy start-up among
-them) are loaded here first, so that their files are among those compared.
+a user of its own for the kernel can); the grader can notice it, and stop. Compared by
+size, modification time, change time and inode (``ctime``: ``os.utime`` can put an old
+modification time back, not the change time), after the kernel and again before each
+judge:
+
+* every file and folder under the folders Python imports installed code from (the site
+  folders, the standard library): a file edited in place, one of a module only the judge
+  or its ranks load among them (red team, session 16: a ``.pyc`` of ``torch.load``'s
+  rewritten, header kept), and a package added (a folder's change time changes when an
+  entry is added: a torch plug-in's ``*.dist-info``, ``numpy/_distributor_init_local``);
+* the interpreter: its executable, ``pyvenv.cfg`` (its ``home`` chooses the standard
+  library every later Python runs: red team, session 16), each ``sys.path`` entry, there
+  or not (``python311.zip`` is looked for first), and the folder holding it;
+* every module loaded here (the judge's and its ranks' modules are loaded first: every
+  check, torch's lazy start-up), with its folder and ``__pycache__``; the kit; the labs.
+
+A fingerprint of ~90,000 files takes ~0.3 s of one core (0.4 s more for the first, which
+walks the folders); only the first looks for files, the later ones stat the same names
+(what is added shows in its folder).
 """
 
 from __future__ import annotations
@@ -24,50 +32,38 @@ import sys
 import sysconfig
 from pathlib import Path
 
+#: the fingerprint of a path that is not there (yet)
+ABSENT = (-1, -1, -1, -1)
+
 
 class EnvironmentChanged(RuntimeError):
     """The grader's own files changed while a notebook ran: later verdicts cannot be trusted."""
 
 
 def fingerprint(labs: Path, like: dict | None = None) -> dict[str, tuple[int, ...]]:
-    """(size, mtime, ctime, inode) of the files whose change would change a verdict: the
-    modules loaded now (or, with ``like``, the same modules as that earlier fingerprint: modules the
-    grader imports later are not the notebook's doing), the kit, the labs, the start-up
-    files of the site folders."""
+    """(size, mtime, ctime, inode) of each path whose change would change a verdict (see
+    the module's docstring); a folder's key ends in a separator. With ``like``, the same
+    paths as that earlier fingerprint."""
+    if like is not None:
+        return {path: _stat(path) for path in like}
     import compileall  # noqa: PLC0415
 
     import overlapkit  # noqa: PLC0415
 
-    kit = Path(overlapkit.__file__).parent
-    if like is None:  # every kit module compiled now: a .pyc that appears later is not ours
-        compileall.compile_dir(str(kit), quiet=2)
-        _load_what_the_judge_loads()
-    files = {Path(f) for f in like if not f.endswith(os.sep)} if like is not None else set()
-    if like is None:
-        for module in list(sys.modules.values()):
-            name = getattr(module, "__file__", None)
-            if isinstance(name, str):
-                files.add(Path(name))
-        files.add(Path(sys.executable))
-    # a .pyc whose header matches its .py is loaded in its place: the ones that exist, and
-    # any that appears, in every folder a loaded module came from
-    for folder in {f.parent for f in files if f.suffix == ".py"}:
-        files.update((folder / "__pycache__").glob("*.pyc"))
-    files.update(kit.rglob("*.py"))
-    files.update(kit.rglob("*.pyc"))
-    files.update(Path(labs).glob("*.ipynb"))
-    for folder in {*site.getsitepackages(), site.getusersitepackages()}:
-        for pattern in ("*.pth", "sitecustomize.py", "usercustomize.py"):
-            files.update(Path(folder).glob(pattern))
-    folders = [f for f in like if f.endswith(os.sep)] if like is not None else _folders()
-    found = {}
-    for f in (*map(str, files), *folders):
-        try:
-            st = os.stat(f)
-        except OSError:
-            continue
-        found[f] = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
-    return found
+    kit = os.path.dirname(os.path.realpath(overlapkit.__file__))
+    compileall.compile_dir(kit, quiet=2)  # a .pyc that appears later is not ours
+    _load_what_the_judge_loads()
+    paths = set(_interpreter())
+    for module in list(sys.modules.values()):
+        name = getattr(module, "__file__", None)
+        if isinstance(name, str) and os.path.isabs(name):  # (not torch.ops' "_ops.py")
+            folder = os.path.dirname(name)
+            paths.update((name, _folder(folder), _folder(os.path.join(folder, "__pycache__"))))
+    for root in (kit, *import_roots()):
+        paths.update(_tree(root))
+    paths.add(_folder(str(labs)))
+    paths.update(str(p) for p in Path(labs).glob("*.ipynb"))
+    return {path: _stat(path) for path in paths}
 
 
 def import_roots() -> list[str]:
@@ -75,19 +71,52 @@ def import_roots() -> list[str]:
     library's), each ending in a separator, the outermost only."""
     roots = {*site.getsitepackages(), site.getusersitepackages(),
              sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib")}  # fmt: skip
-    roots = sorted(os.path.join(os.path.realpath(r), "") for r in roots if r and os.path.isdir(r))
+    roots = sorted(_folder(os.path.realpath(r)) for r in roots if r and os.path.isdir(r))
     return [r for r in roots if not any(r != o and r.startswith(o) for o in roots)]
 
 
-def _folders() -> list[str]:
-    """Every folder under the import roots, ending in a separator (a fingerprint's key for a
-    folder): an entry added, removed or renamed in one changes its change time."""
-    return [os.path.join(folder, "") for root in import_roots() for folder, _, _ in os.walk(root)]
+def _interpreter() -> list[str]:
+    """What chooses the code a Python started later runs, present or not."""
+    found = [sys.executable, os.path.realpath(sys.executable),
+             os.path.join(sys.prefix, "pyvenv.cfg"), site.getusersitepackages()]  # fmt: skip
+    # the judge's sys.path (``python -I``): the interpreter's own entries, not the folder
+    # the grader was started from (nor /tmp above it, where every process writes)
+    bases = (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)
+    prefixes = tuple({_folder(os.path.realpath(p)) for p in bases})
+    for entry in (os.path.realpath(p) for p in sys.path if p):
+        if not entry.startswith(prefixes):
+            continue
+        found += [
+            _folder(entry) if os.path.isdir(entry) else entry,
+            _folder(os.path.dirname(entry)),
+        ]
+    return found
+
+
+def _tree(root: str) -> list[str]:
+    """Every folder (ending in a separator) and file under ``root``."""
+    found = []
+    for folder, _, files in os.walk(root):
+        found.append(_folder(folder))
+        found.extend(os.path.join(folder, f) for f in files)
+    return found
+
+
+def _folder(path: str) -> str:
+    return os.path.join(path, "")
+
+
+def _stat(path: str) -> tuple[int, ...]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ABSENT
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
 def _load_what_the_judge_loads() -> None:
     """Import here what a judge and its ranks import (every check's module, torch's lazy
-    start-up: ``overlapkit.warmup``), so that the files they load are fingerprinted."""
+    start-up: ``overlapkit.warmup``), so that their modules' folders are fingerprinted."""
     import overlapkit.grading  # noqa: F401, PLC0415
     from overlapkit import warmup  # noqa: PLC0415
 
@@ -95,15 +124,23 @@ def _load_what_the_judge_loads() -> None:
 
 
 def changes(before: dict, after: dict) -> list[str]:
-    """The files added, removed or changed between two fingerprints (in a folder that
+    """The paths added, removed or changed between two fingerprints (in a folder that
     changed, what in it changed since: what was added there, by name)."""
-    changed = [f for f in before.keys() & after.keys() if before[f] != after[f]]
-    return sorted(
-        [f"{f} (added)" for f in after.keys() - before.keys()]
-        + [f"{f} (removed)" for f in before.keys() - after.keys()]
-        + [f"{f} (changed)" for f in changed if not f.endswith(os.sep)]
-        + [what for f in changed if f.endswith(os.sep) for what in _in_folder(f, before[f][2])]
-    )
+    found = [f"{f} (added)" for f in after.keys() - before.keys()]
+    found += [f"{f} (removed)" for f in before.keys() - after.keys()]
+    for f in before.keys() & after.keys():
+        was, now = before[f], after[f]
+        if was == now:
+            continue
+        if was == ABSENT:
+            found.append(f"{f} (added)")
+        elif now == ABSENT:
+            found.append(f"{f} (removed)")
+        elif f.endswith(os.sep):
+            found += _in_folder(f, was[2])
+        else:
+            found.append(f"{f} (changed)")
+    return sorted(set(found))
 
 
 def _in_folder(folder: str, since_ns: int) -> list[str]:
