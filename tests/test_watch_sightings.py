@@ -444,3 +444,78 @@ def test_a_copy_compiled_on_a_raw_thread_is_judged_from_its_text():
                          ids=["on torch's inter-op pool", "padded past its size"])  # fmt: skip
 def test_the_kits_schedule_compiled_elsewhere_or_padded_is_still_its_answer(fn):
     _failed_with(ok.grading.check_1f1b_schedule(fn), "ran ok.pipeline.make_schedule")
+
+
+# --------------------------------------------------------- red team round 3, session 16
+# Code of the learner's that runs after the check's call of it ended (the watch closed,
+# the answers armed again) but before the rank's value left: a fake unwaited handle that
+# the rank's end waits for, a finaliser. Lab 00 2/2, lab 08 3/3, lab 03 4/4 in the grader.
+_LATE = {"__name__": "__main__", "ok": ok}
+exec(
+    compile(
+        textwrap.dedent("""
+        def fit_filled_by_a_handle_waited_at_the_end(sizes, times):
+            from overlapkit import handles
+            out = []
+
+            class Later:
+                what, site = "an op", "here"
+
+                def _wait(self, deadline):
+                    import overlapkit.costmodel as cm
+                    out[:] = list(cm.fit_alpha_beta(sizes, times))
+
+            h = Later()
+            handles._unwaited[id(h)] = h
+            return out
+
+        def schedule_filled_by_a_finaliser(stages, micro_batches):
+            out = []
+
+            class Bomb:
+                def __del__(self):
+                    import overlapkit.pipeline as pl
+                    out[:] = [[str(a) for a in s] for s in pl.make_schedule(
+                        "1f1b", stages, micro_batches)]
+
+            out.append(Bomb())  # dropped by the check's code, after the call
+            return out
+
+        def ring_whose_result_a_finaliser_hands_to_the_end(tensor):
+            from overlapkit import handles
+
+            class Later:
+                what, site = "an op", "here"
+
+                def _wait(self, deadline):
+                    ok.ring_all_reduce(tensor)
+
+            class Bomb:
+                def __del__(self):
+                    h = Later()
+                    handles._unwaited[id(h)] = h
+
+            return Bomb()  # not a tensor: the check drops it after the call
+        """),
+        "<cell>",
+        "exec",
+        dont_inherit=True,
+    ),
+    _LATE,
+)
+
+
+@pytest.mark.parametrize(
+    "check, fn",
+    [
+        (ok.grading.check_fit_alpha_beta, _LATE["fit_filled_by_a_handle_waited_at_the_end"]),
+        (ok.grading.check_1f1b_schedule, _LATE["schedule_filled_by_a_finaliser"]),
+        (
+            lambda fn: ok.grading.check_all_reduce(fn, pattern="ring", world_sizes=(2,)),
+            _LATE["ring_whose_result_a_finaliser_hands_to_the_end"],
+        ),
+    ],
+    ids=["handle_waited_at_the_end", "finaliser", "finaliser_hands_a_handle_to_the_end"],
+)
+def test_code_of_the_learners_that_runs_after_the_call_fails_the_check(check, fn):
+    _failed_with(check(fn), "after your function had returned")

@@ -557,16 +557,25 @@ def _watch(codes: dict, ran: list, before, counter):
     (``answers._copy_of``, ``builtins.len``) may be rebound meanwhile, not these. A
     generator interfered with (closed, thrown into, sent what is not an event) ends the
     process (:data:`CUT`)."""
+    from .. import _rank  # noqa: PLC0415
+
     labels_by_id = {id(code): label for code, label in codes.items()}
     sizes, shapes = _prefilter(codes)
     pipe = _sightings_pipe()
     send = _writer(pipe, next(_numbers)) if pipe is not None else None
+    # what tells the watch where the rank is once its block has closed: the block's own
+    # frame (``running``'s, resumed to close it), another block's, the rank's entry point
+    # (whose own calls after the check's function returned are the rank's tail) and the
+    # flush that ends the tail just before the rank's value leaves
+    marks = (sys._getframe(1), running.__wrapped__.__code__, _rank.main.__code__,
+             _rank._flush_all.__code__, (*_INSTALLED, _KIT + os.sep))  # fmt: skip
     state = _judge(
         labels_by_id, frozenset(labels_by_id), sizes, shapes, _trusted(), _group_ops(), ran,
         before, counter.__next__, send, library()[0],
         (sys.setprofile, threading.setprofile.__code__, len, id, set, frozenset, type,
          types.FrameType, str, marshal.dumps, TAMPERED, GROUP.format, _SCANNED_TYPES,
          dict.values, dict.get, SCAN_LIMIT, ValueError),
+        marks,
     )  # fmt: skip
     next(state)  # runs to its first yield: everything bound, the start sent
     hide(state)
@@ -601,7 +610,7 @@ SCAN_LIMIT = 20000
 
 
 def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, tick, out,
-           libraries, tools):  # fmt: skip
+           libraries, tools, marks):  # fmt: skip
     """The watch's state and work (see :func:`_watch`): a generator sent one
     ``(frame, event, arg)`` per profile event.
 
@@ -610,10 +619,25 @@ def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, t
     the learner's (its function, a callback), everything that function can reach (its
     constants, globals, closure, defaults, arguments) is walked for code objects, which go
     out the same way: a copy that will run on a thread no profile function reaches (one
-    started from C: red team, session 15) was already seen where it was handed over."""
+    started from C: red team, session 15) was already seen where it was handed over.
+
+    On a check's rank the watch outlives its block (``running`` leaves it on): nothing of
+    the learner's is meant to run once the block has closed, yet a finaliser, a handle
+    whose ``_wait`` the rank's end calls, or a kit function rebound, did, unwatched, with
+    the answers armed again, before the rank's value left (red team, session 16 round 3:
+    the kit's answer run from a fake unwaited handle, 2/2, 3/3 and 4/4 in the grader). So
+    from the block's close code of the learner's that starts is noted (:data:`LATE`),
+    except while a later block on the rank is open (lab 00 times the kit's ping-pong
+    between its blocks), and in the rank's tail (the calls its entry point makes after
+    the check's function returned, up to the flush before the value is sent) an answer
+    that starts is noted too."""
     (setprofile, threading_setprofile, len_, id_, set_, frozenset_, type_, frame_type, str_,
      dumps, tampered, group, kinds, dict_values, dict_get, limit, value_error) = tools  # fmt: skip
     function_t, code_t, cell_t, method_t, dict_t, list_t, tuple_t, set_t, frozen_t, type_t = kinds
+    block, running_code, main_code, flush_code, exempt = marks
+    closed = tail = done = False  # the block closed; the rank's tail began; it ended
+    blocks: dict = {}  # id of another block's frame -> the times it started (open, close)
+    later = 0  # later blocks open now
     containers = (list_t, tuple_t, set_t, frozen_t)
     append = ran.append
     seen = set_()  # ids of the code objects looked at, kept alive by ``keep``
@@ -719,8 +743,24 @@ def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, t
         if event == "call":
             code = frame.f_code
             key = id_(code)
+            if sends and not done:
+                if frame is block:  # resumed to close: the learner's call is over
+                    closed = True
+                elif code is running_code:  # another block: opens, then closes
+                    keep.append(frame)
+                    blocks[id_(frame)] = blocks.get(id_(frame), 0) + 1
+                    later += 1 if blocks[id_(frame)] == 1 else -1
+                elif closed and frame.f_back is not None and frame.f_back.f_code is main_code:
+                    tail = True  # the rank's entry point calls on: its value goes next
+                if tail and code is flush_code:
+                    done = True
+                if (closed and not later and not done and key not in trusted
+                        and key not in libraries and key not in answer_ids
+                        and not code.co_filename.startswith(exempt)):  # fmt: skip
+                    note(LATE)
             if key in answer_ids:
-                note(labels_by_id[key])
+                if not closed or (tail and not done):
+                    note(labels_by_id[key])
             elif code is threading_setprofile and (
                 frame.f_back is None or id_(frame.f_back.f_code) not in trusted
             ):
@@ -1004,8 +1044,11 @@ def running(names):
         # notes taken out of ``ran`` (or a list put in its place) leave the count higher
         if sys.getprofile() is not watch or next(counter) > len(ran):
             ran.append(TAMPERED)
-        sys.setprofile(before)
-        threading.setprofile(before_threads)
+        if _sightings_pipe() is None:
+            sys.setprofile(before)
+            threading.setprofile(before_threads)
+        # else a check's rank: the watch stays on until the rank's value has left it (see
+        # _judge: code of the learner's that runs after its call is noted)
 
 
 class AnswerRan(RuntimeError):
@@ -1019,6 +1062,8 @@ class AnswerRan(RuntimeError):
 
 #: what a watch notes when the learner's function took the watch away
 TAMPERED = "sys.setprofile"
+#: what a watch notes when the learner's code ran after the check's call of it had ended
+LATE = "code after the call"
 #: what a watch notes when the learner's code ran a process group's own operation
 GROUP = "torch's {} (called on a process group directly)"
 
@@ -1043,6 +1088,11 @@ def said(ran: list[str]) -> str:
     if RECORD in ran:
         return ("changed the check's record of its messages (traffic.current()): the check "
                 "cannot trust what it saw, so it fails")  # fmt: skip
+    if LATE in ran:
+        return ("ran code of yours after your function had returned (a finaliser, a handle "
+                "the rank waits for at its end, a callback or a kit function put in place of "
+                "the kit's): nothing of an exercise runs then, and the check cannot see what "
+                "it did, so it fails")  # fmt: skip
     if TAMPERED in ran:
         return ("changed the profiler the check watches the kit's answers with "
                 "(sys.setprofile / threading.setprofile): the check cannot see what ran, so "
