@@ -469,18 +469,6 @@ exec(
             handles._unwaited[id(h)] = h
             return out
 
-        def schedule_filled_by_a_finaliser(stages, micro_batches):
-            out = []
-
-            class Bomb:
-                def __del__(self):
-                    import overlapkit.pipeline as pl
-                    out[:] = [[str(a) for a in s] for s in pl.make_schedule(
-                        "1f1b", stages, micro_batches)]
-
-            out.append(Bomb())  # dropped by the check's code, after the call
-            return out
-
         def ring_whose_result_a_finaliser_hands_to_the_end(tensor):
             from overlapkit import handles
 
@@ -496,6 +484,36 @@ exec(
                     handles._unwaited[id(h)] = h
 
             return Bomb()  # not a tensor: the check drops it after the call
+
+        def fit_with_the_watch_off_at_the_end(sizes, times):
+            import functools, sys
+            from overlapkit import handles
+            out = []
+
+            class Later:
+                what, site = "an op", "here"
+
+                def _wait(self, deadline):
+                    import overlapkit.costmodel as cm
+                    functools.partial(sys.setprofile, None)()  # no event the watch sees
+                    out[:] = list(cm.fit_alpha_beta(sizes, times))
+
+            h = Later()
+            handles._unwaited[id(h)] = h
+            return out
+
+        def fit_filled_from_c_alone_at_the_end(sizes, times):
+            import functools, types
+            from overlapkit import handles
+            import overlapkit.costmodel as cm
+
+            out = []
+            # no code of the learner's runs at the end: C alone starts the answer
+            consume = functools.partial(dict.fromkeys, map(out.extend, map(
+                cm.fit_alpha_beta, [sizes], [times])))
+            h = types.SimpleNamespace(what="an op", site="here", _wait=consume)
+            handles._unwaited[id(h)] = h
+            return out
         """),
         "<cell>",
         "exec",
@@ -505,17 +523,27 @@ exec(
 )
 
 
+def test_the_watch_cannot_be_switched_off_after_the_call():
+    """On a check's rank the watch stays the profiler until the rank's value has left."""
+    _failed_with(
+        ok.grading.check_fit_alpha_beta(_LATE["fit_with_the_watch_off_at_the_end"]),
+        "sys.setprofile after your function had returned",
+    )
+
+
 @pytest.mark.parametrize(
     "check, fn",
     [
         (ok.grading.check_fit_alpha_beta, _LATE["fit_filled_by_a_handle_waited_at_the_end"]),
-        (ok.grading.check_1f1b_schedule, _LATE["schedule_filled_by_a_finaliser"]),
+        (ok.grading.check_fit_alpha_beta, _LATE["fit_filled_from_c_alone_at_the_end"]),
         (
             lambda fn: ok.grading.check_all_reduce(fn, pattern="ring", world_sizes=(2,)),
             _LATE["ring_whose_result_a_finaliser_hands_to_the_end"],
         ),
     ],
-    ids=["handle_waited_at_the_end", "finaliser", "finaliser_hands_a_handle_to_the_end"],
+    ids=["handle_waited_at_the_end", "c_alone_at_the_end", "finaliser_hands_a_handle_to_the_end"],
 )
 def test_code_of_the_learners_that_runs_after_the_call_fails_the_check(check, fn):
-    _failed_with(check(fn), "after your function had returned")
+    """The answer started after the call (from a handle the rank's end waits for, which a
+    finaliser may have registered, or from C alone) is named as the answer that ran."""
+    _failed_with(check(fn), "the kit's own answer")

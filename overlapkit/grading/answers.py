@@ -567,8 +567,9 @@ def _watch(codes: dict, ran: list, before, counter):
     # frame (``running``'s, resumed to close it), another block's, the rank's entry point
     # (whose own calls after the check's function returned are the rank's tail) and the
     # flush that ends the tail just before the rank's value leaves
+    between = frozenset(id(code) for code in _BETWEEN_BLOCKS)
     marks = (sys._getframe(1), running.__wrapped__.__code__, _rank.main.__code__,
-             _rank._flush_all.__code__, (*_INSTALLED, _KIT + os.sep))  # fmt: skip
+             _rank._flush_all.__code__, between)  # fmt: skip
     state = _judge(
         labels_by_id, frozenset(labels_by_id), sizes, shapes, _trusted(), _group_ops(), ran,
         before, counter.__next__, send, library()[0],
@@ -621,20 +622,20 @@ def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, t
     out the same way: a copy that will run on a thread no profile function reaches (one
     started from C: red team, session 15) was already seen where it was handed over.
 
-    On a check's rank the watch outlives its block (``running`` leaves it on): nothing of
-    the learner's is meant to run once the block has closed, yet a finaliser, a handle
-    whose ``_wait`` the rank's end calls, or a kit function rebound, did, unwatched, with
-    the answers armed again, before the rank's value left (red team, session 16 round 3:
-    the kit's answer run from a fake unwaited handle, 2/2, 3/3 and 4/4 in the grader). So
-    from the block's close code of the learner's that starts is noted (:data:`LATE`),
-    except while a later block on the rank is open (lab 00 times the kit's ping-pong
-    between its blocks), and in the rank's tail (the calls its entry point makes after
-    the check's function returned, up to the flush before the value is sent) an answer
-    that starts is noted too."""
+    On a check's rank the watch outlives its block (``running`` leaves it on, and the
+    call's guard refuses switching it off from then on): code of the learner's may still
+    run once the block has closed (a finaliser, a handle whose ``_wait`` the rank's end
+    calls, a kit function rebound), and the answers are armed again then: the kit's
+    answer run from a fake unwaited handle passed labs 00, 03 and 08 in the grader (red
+    team, session 16 round 3). So an answer that starts after the block is noted too,
+    until the rank's value is on its way (the flush before the send), except where the
+    check's own code calls it (a function marked :func:`between_blocks`: lab 00 times the
+    kit's ping-pong between its blocks), an answer does, or a later block is open (its
+    own watch judges it)."""
     (setprofile, threading_setprofile, len_, id_, set_, frozenset_, type_, frame_type, str_,
      dumps, tampered, group, kinds, dict_values, dict_get, limit, value_error) = tools  # fmt: skip
     function_t, code_t, cell_t, method_t, dict_t, list_t, tuple_t, set_t, frozen_t, type_t = kinds
-    block, running_code, main_code, flush_code, exempt = marks
+    block, running_code, main_code, flush_code, between = marks
     closed = tail = done = False  # the block closed; the rank's tail began; it ended
     blocks: dict = {}  # id of another block's frame -> the times it started (open, close)
     later = 0  # later blocks open now
@@ -754,12 +755,15 @@ def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, t
                     tail = True  # the rank's entry point calls on: its value goes next
                 if tail and code is flush_code:
                     done = True
-                if (closed and not later and not done and key not in trusted
-                        and key not in libraries and key not in answer_ids
-                        and not code.co_filename.startswith(exempt)):  # fmt: skip
-                    note(LATE)
             if key in answer_ids:
-                if not closed or (tail and not done):
+                # after the block an answer is the check's own only where its code calls
+                # it (between_blocks) or an answer does: not one a finaliser started, nor
+                # one started from C alone (a partial over map(answer, …))
+                back = frame.f_back
+                caller = id_(back.f_code) if back is not None else None
+                if not closed or (
+                    not done and not later and caller not in between and caller not in answer_ids
+                ):
                     note(labels_by_id[key])
             elif code is threading_setprofile and (
                 frame.f_back is None or id_(frame.f_back.f_code) not in trusted
@@ -1062,8 +1066,19 @@ class AnswerRan(RuntimeError):
 
 #: what a watch notes when the learner's function took the watch away
 TAMPERED = "sys.setprofile"
-#: what a watch notes when the learner's code ran after the check's call of it had ended
-LATE = "code after the call"
+#: the check's functions that run the kit's answer on a rank between two watched calls of
+#: the learner's (:func:`between_blocks`)
+_BETWEEN_BLOCKS: set = set()
+
+
+def between_blocks(fn):
+    """Mark ``fn`` (a check's, run on a rank) as calling the kit's answers between two
+    ``running`` blocks: lab 00 times the kit's ping-pong between the learner's. Elsewhere
+    an answer that starts after a block has closed fails the check."""
+    _BETWEEN_BLOCKS.add(fn.__code__)
+    return fn
+
+
 #: what a watch notes when the learner's code ran a process group's own operation
 GROUP = "torch's {} (called on a process group directly)"
 
@@ -1088,11 +1103,6 @@ def said(ran: list[str]) -> str:
     if RECORD in ran:
         return ("changed the check's record of its messages (traffic.current()): the check "
                 "cannot trust what it saw, so it fails")  # fmt: skip
-    if LATE in ran:
-        return ("ran code of yours after your function had returned (a finaliser, a handle "
-                "the rank waits for at its end, a callback or a kit function put in place of "
-                "the kit's): nothing of an exercise runs then, and the check cannot see what "
-                "it did, so it fails")  # fmt: skip
     if TAMPERED in ran:
         return ("changed the profiler the check watches the kit's answers with "
                 "(sys.setprofile / threading.setprofile): the check cannot see what ran, so "

@@ -38,6 +38,7 @@ _WRONG = {
 _TOTAL_HINT = " Did you return the total over all iterations instead of the median of one?"
 
 
+@answers.between_blocks
 def _interleaved(student_fn, nbytes, iters, rounds):
     """On each rank: student, kit, student, kit... at one size; the per-round times
     (the fallback judgement when the check could not time the learner's messages)."""

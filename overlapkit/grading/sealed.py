@@ -247,6 +247,8 @@ _GUARDED = (
     "ctypes.string_at",
     "ctypes.wstring_at",
 )
+#: the audit events of switching the profiler (refused after the call too, see the hook)
+_PROFILERS = frozenset({"sys.setprofile", "sys.settrace"})
 #: the audit events of code made while the call runs (answers.code_made_meanwhile)
 _MAKES_CODE = frozenset({"compile", "exec", "marshal.loads", "code.__new__"})
 #: what the guard refused during the call, in words (a caught refusal still counts)
@@ -297,11 +299,23 @@ def _guard_the_call(files: bool = True) -> None:
 
     made = answers.code_made_meanwhile()
 
+    # what may move the profiler once the call is over: on a check's rank the watch stays
+    # on until the rank's value has left (answers.running), so that a finaliser or a handle
+    # the rank waits for at its end cannot switch it off and run the kit's answer unseen
+    moves_the_watch = {*takes_the_watch_on, answers.running.__wrapped__.__code__}
+
     def hook(event, args):
         if event in _MAKES_CODE:
             if inside():
                 made(event, args, sys._getframe(1).f_code.co_filename)
             return
+        if event in _PROFILERS and not inside():
+            if sys._getframe(1).f_code in moves_the_watch:
+                return
+            _REFUSED.append(f"your code called {event} after your function had returned: "
+                            "the check's watch stays the profiler until the rank's value "
+                            "has left")  # fmt: skip
+            raise RuntimeError(_REFUSED[-1])
         if event not in _GUARDED or not inside():
             return
         elsewhere = threading.get_ident() != main
