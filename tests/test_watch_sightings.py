@@ -547,3 +547,48 @@ def test_code_of_the_learners_that_runs_after_the_call_fails_the_check(check, fn
     """The answer started after the call (from a handle the rank's end waits for, which a
     finaliser may have registered, or from C alone) is named as the answer that ran."""
     _failed_with(check(fn), "the kit's own answer")
+
+
+# --------------------------------------------------------- red team round 4, session 16
+# ReduceScatter and AllGather as lab 11's decomposed matmuls with a 1x1 weight of ones:
+# ring-shaped messages, all of them the kit's (its neighbour helper swapped for one's own).
+_TP = {"__name__": "__main__", "ok": ok}
+exec(
+    compile(
+        textwrap.dedent("""
+        import torch
+
+        def _neighbours(group=None):
+            me, world = ok.rank(), ok.world_size()
+            return me, world, (me - 1) % world, (me + 1) % world
+
+        def reduce_scatter_by_the_tp_ring(output, input, op="sum"):
+            from overlapkit import tensor_parallel as tp
+            tp._ring = _neighbours
+            output.copy_(tp.matmul_reduce_scatter(input.view(-1, 1), torch.ones(1, 1),
+                                                  check=False).view(-1))
+
+        def all_gather_by_the_tp_ring(output, input):
+            from overlapkit import tensor_parallel as tp
+            tp._ring = _neighbours
+            output.copy_(tp.all_gather_matmul(input.view(-1, 1), torch.ones(1, 1),
+                                              check=False).view(-1))
+        """),
+        "<cell>",
+        "exec",
+        dont_inherit=True,
+    ),
+    _TP,
+)
+
+
+@pytest.mark.parametrize(
+    "check, fn",
+    [
+        (ok.grading.check_reduce_scatter, _TP["reduce_scatter_by_the_tp_ring"]),
+        (ok.grading.check_all_gather, _TP["all_gather_by_the_tp_ring"]),
+    ],
+    ids=["reduce_scatter", "all_gather"],
+)
+def test_a_collective_from_the_kits_tensor_parallel_rings_is_the_kits_answer(check, fn):
+    _failed_with(check(fn), "ok.tensor_parallel.")

@@ -82,9 +82,11 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     # halving-doubling's…), and its bus-bandwidth factors (BUSBW_FACTOR) are the answer
     "check_bytes_moved": ("costmodel",),
     # the whole module: its private helpers (_naive, _ring_reduce_scatter_flat, …) hold the
-    # algorithms; chunk_bounds is the lab's own advice
+    # algorithms; chunk_bounds is the lab's own advice. And every ring of the kit's built of
+    # messages: lab 11's decomposed matmuls with a 1×1 weight of ones are a ring AllGather
+    # and ReduceScatter (red team, session 16 round 4)
     "from_scratch": ("collectives", "!collectives.chunk_bounds", "moe.AllToAll",
-                     "training.builtin_all_reduce"),
+                     "training.builtin_all_reduce", "tensor_parallel"),
     # lab 01: an AllReduce built from a ReduceScatter and an AllGather (the kit's allowed),
     # never by the kit's whole AllReduce under another name (ok.ddp.ring_all_reduce)
     "made_of": ("collectives.ring_all_reduce", "collectives.naive_all_reduce",
