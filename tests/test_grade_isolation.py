@@ -7,6 +7,7 @@ Uses the tiny two-exercise lab of tests/tinylab.py (1F1B schedule + bucket assig
 of its own (``overlapkit.grading.sealed``).
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -110,6 +111,51 @@ def test_processes_a_notebook_leaves_running_are_ended(tmp_path, labs):
     assert result["score"] == 6.0
     for pid in json.loads(pids.read_text()):
         assert not _alive(pid), f"process {pid} started by the notebook still runs"
+
+
+_KEEPS_FORKING = """
+import os, sys, time
+while True:
+    if os.fork() == 0:
+        with open(sys.argv[1], "a") as f:
+            f.write(f"{os.getpid()} ")
+        time.sleep(120)
+        os._exit(0)
+    time.sleep(0.002)
+"""
+
+_SWEEP = """
+import subprocess, sys, time
+from overlapkit.grade.processes import adopt_orphans, descendants, end_new_processes
+adopt_orphans()  # as python -m overlapkit.grade does
+before = descendants()
+subprocess.Popen([sys.executable, "-c", sys.argv[2], sys.argv[1]])
+time.sleep(1.0)
+end_new_processes(before)
+"""
+
+
+def test_a_process_that_keeps_forking_is_ended_with_all_it_forked(tmp_path):
+    """Red team, session 16 round 4: a process that forks while the grader ends what a
+    notebook left leaves children the grader's one list never held, and the next judge's
+    list of processes already there would spare them. The grader lists again until
+    nothing new is left, stopping each process before it kills it."""
+    import subprocess
+
+    pids = tmp_path / "forked"
+    pids.touch()
+    try:
+        subprocess.run([sys.executable, "-c", _SWEEP, str(pids), _KEEPS_FORKING], timeout=120,
+                       check=True)  # fmt: skip
+        time.sleep(0.2)
+        forked = [int(p) for p in pids.read_text().split()]
+        assert len(forked) > 20, forked  # it did fork while it ran
+        alive = [p for p in forked if _alive(p)]
+        assert not alive, f"{len(alive)} of {len(forked)} forked processes still run"
+    finally:  # whatever the sweep missed ends here, not after the test
+        for pid in (int(p) for p in pids.read_text().split()):
+            with contextlib.suppress(OSError):
+                os.kill(pid, 9)
 
 
 def test_the_judge_reads_a_table_of_float_subclasses_as_not_plain_data(tmp_path):

@@ -27,21 +27,35 @@ def _children(proc) -> list:
         return []
 
 
-def end_new_processes(before: set, spare: int | None = None) -> None:
+def end_new_processes(before: set, spare: int | None = None, rounds: int = 50) -> None:
     """Kill every process this one has gained since ``before`` (the kernel's ranks, servers,
     anything the notebook left running), and reap them. Processes that left our tree
-    (setsid + double fork) come back to it where :func:`adopt_orphans` was called."""
+    (setsid + double fork) come back to it where :func:`adopt_orphans` was called.
+
+    Listed again until none is new: a process that forks while the others are killed
+    leaves a child the first list never held, which the next judge's ``before`` would
+    then spare (red team, session 16 round 4: a survivor outside the judge's sandbox may
+    trace its ranks). Each round stops them all before killing any (a stopped process
+    forks no more)."""
+    import signal  # noqa: PLC0415
+
     import psutil  # noqa: PLC0415
 
-    new = []
-    for p in _children(psutil.Process()):
-        with contextlib.suppress(psutil.Error):
-            if (p.pid, p.create_time()) not in before and p.pid != spare:
-                new.append(p)
-    for p in new:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    psutil.wait_procs(new, timeout=5)
+    for _ in range(rounds):
+        new = []
+        for p in _children(psutil.Process()):
+            with contextlib.suppress(psutil.Error):
+                if (p.pid, p.create_time()) not in before and p.pid != spare:
+                    new.append(p)
+        if not new:
+            return
+        for p in new:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGSTOP)
+        for p in new:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(new, timeout=5)
 
 
 def adopt_orphans() -> None:
