@@ -61,7 +61,7 @@ def fingerprint(labs: Path, like: dict | None = None) -> dict[str, tuple[int, ..
             paths.update((name, _folder(folder), _folder(os.path.join(folder, "__pycache__"))))
     for root in (kit, *import_roots()):
         paths.update(_tree(root))
-    paths.add(_folder(str(labs)))
+    # the labs' notebooks (not their folder: lab 10's traces are written beside them)
     paths.update(str(p) for p in Path(labs).glob("*.ipynb"))
     return {path: _stat(path) for path in paths}
 
