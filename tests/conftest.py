@@ -111,6 +111,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def failed_with(report, *words):
+    """``report`` failed, and its failed lines hold every one of ``words``."""
+    assert not report.all_passed, report.cases
+    text = " ".join(m for passed, m in report.cases if not passed)
+    for word in words:
+        assert word in text, text
+
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 

@@ -19,18 +19,12 @@ import torch.distributed.distributed_c10d as c10d
 import overlapkit as ok
 from overlapkit.grading import answers, nofiles
 
+from .conftest import failed_with as _failed_with
 from .conftest import soak_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
-
-
-def _failed_with(report, *words):
-    assert not report.all_passed, report.cases
-    text = " ".join(m for passed, m in report.cases if not passed)
-    for word in words:
-        assert word in text, text
 
 
 #: where Landlock holds (grading.nofiles), the store cannot be reached at all; elsewhere

@@ -17,14 +17,9 @@ import pytest
 
 import overlapkit as ok
 
+from .conftest import failed_with as _failed_with
+
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
-
-
-def _failed_with(report, *words):
-    assert not report.all_passed, report.cases
-    text = " ".join(m for passed, m in report.cases if not passed)
-    for word in words:
-        assert word in text, text
 
 
 def _source_of(module, name: str) -> str:

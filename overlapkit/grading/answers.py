@@ -478,6 +478,7 @@ def code_made_meanwhile():
     if pipe is None:
         return lambda event, args, caller: None
     write, dumps, exit_, type_ = _writer(pipe, EVERY_WATCH), marshal.dumps, os._exit, type
+    cut, source_kind, made_kind, bytecode_kind = CUT, SOURCE, MADE, BYTECODE
     str_, bytes_, code_t = str, bytes, types.CodeType
     importing = "<frozen importlib"
 
@@ -485,7 +486,7 @@ def code_made_meanwhile():
         try:
             write(kind, data)
         except BaseException:  # noqa: BLE001 - unseen is unjudged: end the process
-            exit_(87)
+            exit_(cut)
 
     def made(event, args, caller):
         if caller.startswith(importing):
@@ -493,20 +494,20 @@ def code_made_meanwhile():
         if event == "compile":
             source = args[0]
             if type_(source) is str_:
-                send(SOURCE, source.encode("utf-8", "surrogatepass"))
+                send(source_kind, source.encode("utf-8", "surrogatepass"))
             elif type_(source) is bytes_:
-                send(SOURCE, source)
+                send(source_kind, source)
             else:  # a syntax tree: compiled, it would be judged by nothing; refused
                 raise RuntimeError(
                     "your function compiled a syntax tree: an exercise never needs to, and "
                     "the check could not see what it made"
                 )
         elif event == "exec" and type_(args[0]) is code_t:
-            send(MADE, dumps(args[0]))
+            send(made_kind, dumps(args[0]))
         elif event == "marshal.loads" and type_(args[0]) is bytes_:
-            send(MADE, args[0])
+            send(made_kind, args[0])
         elif event == "code.__new__" and type_(args[0]) is bytes_:
-            send(BYTECODE, args[0])
+            send(bytecode_kind, args[0])
 
     return made
 
@@ -646,6 +647,8 @@ def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, t
     seen = set_()  # ids of the code objects looked at, kept alive by ``keep``
     keep = []
     sent = set_()  # labels sent out (once each: the check needs which, not how often)
+    # the module's constants, bound now (before the learner's code runs, which could rebind them)
+    start_kind, note_kind, code_kind, telling = START, NOTE, CODE, TELLING_BYTES
     min_copy = 2 * COPIED * COPY_MIN_TOKENS  # bytes of bytecode an edited copy needs
     torch_files = _TORCH + os.sep
     installed = _INSTALLED
@@ -660,12 +663,12 @@ def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, t
         append(what)
         if what not in sent:
             sent.add(what)
-            send(1, what.encode())  # NOTE
+            send(note_kind, what.encode())
 
     def worth_sending(code):
         """May ``code`` be a copy of an answer (whatever its name: the learner's to choose)?"""
         size = len_(code.co_code)
-        if size < 48:  # TELLING_BYTES
+        if size < telling:
             return False
         if size in sizes:  # an answer's own bytecode is this long
             return True
@@ -690,7 +693,7 @@ def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, t
         keep.append(code)
         if key not in trusted and key not in libraries and key not in answer_ids and sends:
             if worth_sending(code):
-                send(2, dumps(code))  # CODE: the check judges it
+                send(code_kind, dumps(code))  # the check judges it
         return True
 
     def walk(roots):
@@ -736,7 +739,7 @@ def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, t
             elif kind is type_t:
                 todo.extend(obj.__dict__.values())
 
-    send(0, b"")  # START
+    send(start_kind, b"")
     while True:
         frame, event, arg = yield
         # what else the learner's code might send in (a frame-like object whose f_code,
@@ -993,7 +996,6 @@ def _raw_threads_watched(watch):
     """Threads started with ``_thread.start_new_thread`` (which ``threading.setprofile``
     does not reach) start under ``watch`` too while the block runs: a copy of an answer
     recompiled from the kit's source and run on one was seen by nothing."""
-    import _thread  # noqa: PLC0415
 
     def watched(original):
         def start_new_thread(function, args, kwargs=None):
