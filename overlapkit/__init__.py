@@ -3,6 +3,13 @@
 Conventional import: ``import overlapkit as ok``.
 """
 
+# before any other kit import: on native Windows the first POSIX-only import would fail
+# without saying what to do (use WSL2); hence the imports below the call
+# ruff: noqa: E402
+from .machine import refuse_native_windows as _refuse_native_windows
+
+_refuse_native_windows()
+
 from . import (
     builtin,
     compression,
@@ -46,7 +53,7 @@ from .launcher import (
     launch,
 )
 from .p2p import Link
-from .runtime import backend, device, is_main, local_rank, rank, world_size
+from .runtime import backend, backends, device, is_main, local_rank, rank, world_size
 from .sharded import ShardedOptimizer
 from .timeline import Span, Timeline
 
@@ -97,5 +104,6 @@ __all__ = [
     "local_rank",
     "device",
     "backend",
+    "backends",
     "is_main",
 ]

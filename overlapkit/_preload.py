@@ -11,3 +11,7 @@ from .grading import answers  # noqa: E402
 
 answers.library()
 answers._trusted()  # the same for the ids of the kit's and torch.distributed's code
+
+# every rank is forked from this process: CUDA initialised here would be unusable in all of
+# them ("Cannot re-initialize CUDA in forked subprocess"), so nothing above may touch it
+warmup.assert_no_device_initialised()

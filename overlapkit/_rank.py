@@ -31,7 +31,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from . import handles, p2p, plaindata
+from . import handles, machine, p2p, plaindata
 
 #: faulthandler marks each dump with this header; the caller looks for it.
 DUMP_SIGNAL = signal.SIGUSR1
@@ -184,13 +184,17 @@ def main(spec: RankSpec, rank: int, conn, seen=None) -> None:
     _die_with_parent()
     _capture_output(log_path(spec.log_dir, rank))
     faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
-    # The forkserver was started with the caller's environment of that moment;
-    # apply the caller's environment of *this* launch (e.g. NCCL_DEBUG set later).
+    # The forkserver was started with the caller's environment of that moment; the rank
+    # takes the caller's environment of *this* launch, exactly (NCCL_DEBUG set later, a
+    # CUDA_VISIBLE_DEVICES unset since: CUDA reads it at the rank's first CUDA call).
+    os.environ.clear()
     os.environ.update(spec.env)
+    # gloo and NCCL listen on loopback only, unless the caller chose an interface; judged
+    # from the launch's environment, not os.environ, which still holds variables the
+    # caller has unset since the forkserver started
+    os.environ.update(machine.socket_env(spec.env))
     os.environ.update(
         {
-            "GLOO_SOCKET_IFNAME": "lo",  # gloo and NCCL listen on loopback only
-            "NCCL_SOCKET_IFNAME": "lo",
             "LOCAL_RANK": str(rank),
             "OVERLAPKIT_RANK": str(rank),
             "OVERLAPKIT_WORLD_SIZE": str(spec.world_size),
@@ -199,7 +203,7 @@ def main(spec: RankSpec, rank: int, conn, seen=None) -> None:
     torch.set_num_threads(spec.threads)
     store = None
     try:
-        if spec.backend == "nccl":
+        if "nccl" in spec.backend:  # rank r owns the r-th GPU CUDA_VISIBLE_DEVICES allows
             torch.cuda.set_device(rank)
         fn, args, kwargs = cloudpickle.loads(spec.payload)
         if spec.private is not None:

@@ -51,7 +51,7 @@ import warnings
 import cloudpickle
 import torch.distributed as dist
 
-from . import _rank, handles, p2p, plaindata, runtime
+from . import _rank, handles, machine, p2p, plaindata, runtime
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -203,10 +203,9 @@ _code_reduce = getattr(getattr(cloudpickle, "cloudpickle", None), "_code_reduce"
 
 
 def _shm_root() -> str | None:
-    """Where the emulated link's bytes go: $OVERLAPKIT_SHM_DIR if set, else /dev/shm when
-    this system has a writable one (Linux), else None (a temporary folder)."""
-    root = os.environ.get("OVERLAPKIT_SHM_DIR") or "/dev/shm"
-    return root if os.path.isdir(root) and os.access(root, os.W_OK) else None
+    """Where the emulated link's bytes go (:func:`overlapkit.machine.shm_root`): None means
+    a temporary folder."""
+    return machine.shm_root(os.environ)
 
 
 def dumps_keeping_filenames(obj) -> bytes:
@@ -256,6 +255,7 @@ def launch(
         return _launch_in_place(fn, args, {**kwargs, **mine}, world_size, backend, link)
 
     backend = runtime.resolve_backend(backend, world_size)
+    machine.warn_small_shm(backend)  # NCCL keeps its buffers in /dev/shm: say so before it fails
     if threads is None:
         threads = max(1, runtime.usable_cores() // world_size)
     try:
@@ -757,12 +757,8 @@ def _launch_in_place(fn, args, kwargs, world_size, backend, link=None):
         )
     if not dist.is_initialized():
         local = int(os.environ.get("LOCAL_RANK", 0))
-        chosen = (
-            "nccl"
-            if backend in ("auto", "nccl") and runtime.cuda_devices_for(local + 1)
-            else "gloo"
-        )
-        if chosen == "nccl":
+        chosen = runtime.torchrun_backend(backend, os.environ, runtime.usable_gpus())
+        if "nccl" in chosen:
             import torch
 
             torch.cuda.set_device(local)

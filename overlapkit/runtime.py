@@ -33,16 +33,40 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", rank()))
 
 
-def backend() -> str | None:
-    """Name of the default group's backend ("gloo", "nccl", ...), None outside a run."""
-    return str(dist.get_backend()) if is_distributed() else None
+#: the default group ``ok.launch`` makes where every rank has a GPU of its own: NCCL moves
+#: CUDA tensors, gloo CPU tensors (a lab's CPU tensors and a GPU model's both work)
+MIXED = "cpu:gloo,cuda:nccl"
+
+
+def parse_backends(config: str) -> dict[str, str]:
+    """``{"cpu": "gloo", "cuda": "nccl"}`` from a backend string as ``init_process_group``
+    takes it (``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``)."""
+    if ":" not in config:  # one backend: gloo moves both kinds, NCCL CUDA tensors only
+        return {"cuda": "nccl"} if config == "nccl" else {"cpu": config, "cuda": config}
+    return dict(part.split(":", 1) for part in config.split(","))
+
+
+def backends(group=None) -> dict[str, str]:
+    """Which backend moves the tensors of each device type in ``group`` (default: the
+    default group); ``{}`` outside a run."""
+    if not is_distributed():
+        return {}
+    return parse_backends(str(dist.get_backend_config(group)))
 
 
 def device() -> torch.device:
-    """The device this rank computes on: its own CUDA device under NCCL, else the CPU."""
-    if backend() == "nccl":
+    """The device this rank computes on: its own CUDA device where the default group moves
+    CUDA tensors with NCCL (each rank has a GPU), else the CPU."""
+    if backends().get("cuda") == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def backend() -> str | None:
+    """The backend that moves this rank's tensors (those on :func:`device`): "nccl" for a
+    rank with a GPU of its own, "gloo" on the CPU; None outside a run. CPU tensors always
+    go through gloo (:func:`backends` tells each device type's)."""
+    return backends().get(device().type) if is_distributed() else None
 
 
 def is_main() -> bool:
@@ -58,33 +82,55 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def usable_gpus() -> int:
+    """CUDA devices this process may use: those ``CUDA_VISIBLE_DEVICES`` lets it see (0
+    without CUDA or NCCL)."""
+    if not (dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()):
+        return 0
+    return torch.cuda.device_count()
+
+
 def cuda_devices_for(world: int) -> bool:
     """True when each of ``world`` ranks on this machine can have a CUDA device of its own."""
-    return (
-        dist.is_available()
-        and dist.is_nccl_available()
-        and torch.cuda.is_available()
-        and torch.cuda.device_count() >= world
-    )
+    return usable_gpus() >= world
+
+
+def choose_backend(name: str, ranks: int, gpus: int) -> str:
+    """The default group's backend for ``ranks`` ranks on a machine with ``gpus`` usable
+    GPUs (the ranks of one machine: ``ok.launch``'s, or torchrun's LOCAL_WORLD_SIZE).
+
+    ``"auto"``: :data:`MIXED` (NCCL for CUDA tensors, gloo for CPU ones) when every rank
+    can own a GPU, else gloo — on a one-GPU box, the ranks compute on the CPU and the GPU
+    serves the single-process parts. ``"nccl"`` is the same mixed group, and an error
+    where the GPUs are too few (never a silent fallback). ``"gloo"``: gloo alone.
+    """
+    if name not in ("auto", "gloo", "nccl", "mpi") and ":" not in name:
+        raise ValueError(f"unknown backend {name!r}: expected 'auto', 'gloo' or 'nccl'")
+    if name == "auto":
+        return MIXED if gpus >= ranks else "gloo"
+    if name == "nccl":
+        if gpus < ranks:
+            raise RuntimeError(
+                f"backend='nccl' needs one CUDA device per rank: {ranks} ranks on this "
+                f"machine but {gpus} usable CUDA device(s) (CUDA_VISIBLE_DEVICES limits "
+                "them). Use backend='gloo' (CPU) or backend='auto'."
+            )
+        return MIXED
+    return name
 
 
 def resolve_backend(name: str, world: int) -> str:
-    """Turn ``"auto"`` into a concrete backend and reject impossible requests early.
+    """:func:`choose_backend` for ``world`` ranks on this machine."""
+    return choose_backend(name, world, usable_gpus() if name != "gloo" else 0)
 
-    ``"auto"`` means NCCL when every rank can own a CUDA device, gloo otherwise.
-    """
-    if name == "auto":
-        return "nccl" if cuda_devices_for(world) else "gloo"
-    if name == "nccl" and not cuda_devices_for(world):
-        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        raise RuntimeError(
-            f"backend='nccl' needs one CUDA device per rank: world_size={world} "
-            f"but this machine has {have} usable CUDA device(s). Use backend='gloo' "
-            "(CPU) or backend='auto'."
-        )
-    if name not in ("gloo", "nccl", "mpi") and ":" not in name:
-        raise ValueError(f"unknown backend {name!r}: expected 'auto', 'gloo' or 'nccl'")
-    return name
+
+def torchrun_backend(name: str, environ, gpus: int) -> str:
+    """:func:`choose_backend` for a torchrun worker: from the count of workers on its
+    machine (LOCAL_WORLD_SIZE), not its own index, so that every worker of a machine makes
+    the same choice (workers past the GPUs choosing gloo beside NCCL ones cannot form a
+    group)."""
+    ranks_here = int(environ.get("LOCAL_WORLD_SIZE", environ.get("WORLD_SIZE", 1)))
+    return choose_backend(name, ranks_here, gpus)
 
 
 def synchronize(on: torch.device | None = None) -> None:

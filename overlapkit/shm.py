@@ -58,7 +58,9 @@ IDLE_RELEASE_S = 0.2
 #: id, op number, op signature, the segment's first byte in the message and its length,
 #: then the length of the op's description that follows (on an op's first message only)
 HEADER = struct.Struct("<dqqqqqqqI")
-MAX_DESCRIPTION = 1024  # header + description stay below PIPE_BUF: one atomic write
+#: header + description stay within PIPE_BUF, so a header is one atomic write (a partial
+#: one would tear the stream): 4096 bytes on Linux, only 512 on macOS
+MAX_DESCRIPTION = min(1024, getattr(select, "PIPE_BUF", 512) - HEADER.size)
 
 
 def address_of(tensor: torch.Tensor) -> tuple[int, int]:
@@ -109,13 +111,28 @@ class _File:
         _WORD.pack_into(self._map, 0, msg_id)
 
 
+def _allocate(fd: int, offset: int, length: int) -> None:
+    """Back ``length`` bytes of the file at ``offset`` with pages now (OSError, ENOSPC, when
+    the file system is full), so that a write through the mapping never meets a full one
+    (SIGBUS). ``os.posix_fallocate`` where the system has it (Linux); macOS has none: write
+    zeros there, as glibc's posix_fallocate does on a file system without fallocate (only
+    bytes not yet written are ever reserved, so no message is overwritten)."""
+    if hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, offset, length)
+        return
+    end = offset + length
+    zeros = bytes(min(length, _RESERVE_STEP))
+    while offset < end:
+        offset += os.pwrite(fd, zeros[: end - offset], offset)
+
+
 def _reserve_first_page(fd: int, path: str, patience_s: float = 5.0) -> None:
     """Reserve the control block; on a full file system, wait a little for idle
     channels (of this rank or others) to give their pages back."""
     end = time.monotonic() + patience_s
     while True:
         try:
-            os.posix_fallocate(fd, 0, _CONTROL)
+            _allocate(fd, 0, _CONTROL)
             return
         except OSError as exc:
             if time.monotonic() > end:
@@ -209,7 +226,7 @@ class Outgoing:
             return True
         target = min(_CONTROL + CAPACITY, -(-upto // _RESERVE_STEP) * _RESERVE_STEP)
         try:
-            os.posix_fallocate(self._file.fd, self.reserved, target - self.reserved)
+            _allocate(self._file.fd, self.reserved, target - self.reserved)
         except OSError:  # ENOSPC on a small /dev/shm: refuse, the group carries it
             return False
         self.reserved = target

@@ -26,13 +26,29 @@ _done: list = []
 
 
 def warm_torch() -> None:
-    """Run an optimizer step of SGD and of Adam once in this process (idempotent)."""
+    """Run an SGD step on a CPU tensor once in this process (idempotent).
+
+    SGD, not Adam: Adam's step asks ``torch.accelerator`` for the current stream, which
+    initialises CUDA (or MPS) where there is one, and a process that initialised CUDA
+    cannot fork ranks that use it ("Cannot re-initialize CUDA in forked subprocess").
+    SGD's first step imports the same modules; nothing here touches a device.
+    """
     if _done or os.environ.get(SKIP):
         return
     _done.append(True)
     p = torch.nn.Parameter(torch.zeros(1))
     p.grad = torch.zeros(1)
-    for make in (torch.optim.SGD, torch.optim.Adam):
-        optimizer = make([p], lr=0.1)
-        optimizer.step()
-        optimizer.zero_grad()
+    optimizer = torch.optim.SGD([p], lr=0.1, foreach=False)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def assert_no_device_initialised() -> None:
+    """Fail loudly where a process that forks ranks has initialised CUDA: every rank forked
+    from it would fail at its first CUDA call, far from the cause."""
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "CUDA was initialised in the process that forks the ranks (overlapkit's "
+            "forkserver preload); no rank could use a GPU. Something imported there touched "
+            "a CUDA device."
+        )
