@@ -172,11 +172,13 @@ class Handle(handles.Tracked):
     ``is_completed()`` polls. On CUDA, ``wait()`` makes the caller's current
     stream wait for the operation, as NCCL's ``Work.wait()`` does."""
 
-    def __init__(self, future: concurrent.futures.Future, what: str, guard=None, device=None):
+    def __init__(self, future: concurrent.futures.Future, what: str, guard=None, device=None,
+                 outputs=()):  # fmt: skip
         super().__init__(what)
         self._future = future
         self._guard = guard  # an inflight.Guard over the tensors the op reads and writes
         self._device = device if device is not None and device.type == "cuda" else None
+        self._outputs = list(outputs)  # the caller's tensors the op writes
 
     def _wait(self, timeout_at: float | None) -> None:
         remaining = None if timeout_at is None else max(0.0, timeout_at - time.perf_counter())
@@ -210,8 +212,9 @@ class Handle(handles.Tracked):
         operation ends, as ``torch.distributed``'s ``Work.get_future()``: what a DDP
         comm hook returns, and how a timeline learns the true end of an op. Waiting on
         it counts as waiting on the handle. On CUDA it is a CUDA-aware future, as NCCL's:
-        completed on a stream that waited for the op's end event, so that its callbacks
-        (``then()``, DDP's copy back into ``.grad``) run after the GPU work of the op, not
+        its value is the op's output tensors, set on a stream that waited for the op's end
+        event, so the future records its events after the op's GPU work and its callbacks
+        (``then()``, DDP's division and copy back into ``.grad``) are ordered after it, not
         only after the host saw it end."""
         cuda = self._device
         future = (
@@ -221,20 +224,24 @@ class Handle(handles.Tracked):
         def settle(done: concurrent.futures.Future) -> None:
             self._mark_waited()  # whoever holds the torch future waits through it
             exc = done.exception()
-            if self._guard is not None:
-                try:
-                    self._guard.abandon() if exc is not None else self._guard.settle()
-                except inflight.RaceError as race:
-                    exc = race
-            if exc is not None:
-                future.set_exception(exc)
-            elif cuda is not None and done.result()[1] is not None:
-                stream = torch.cuda.current_stream(cuda)  # this thread's, on the op's device
-                stream.wait_event(done.result()[1])
-                with torch.cuda.device(cuda):
-                    future.set_result(None)  # records its event on that stream, after the op
-            else:
-                future.set_result(None)
+            end = None if exc is not None else done.result()[1]
+            with contextlib.ExitStack() as on_stream:
+                if cuda is not None and end is not None:
+                    # this thread's stream on the op's device waits for the op's end before
+                    # anything reads its result: the guard's write-back, the callbacks
+                    stream = torch.cuda.current_stream(cuda)
+                    stream.wait_event(end)
+                    on_stream.enter_context(torch.cuda.device(cuda))
+                    on_stream.enter_context(torch.cuda.stream(stream))
+                if self._guard is not None:
+                    try:
+                        self._guard.abandon() if exc is not None else self._guard.settle()
+                    except inflight.RaceError as race:
+                        exc = race
+                if exc is not None:
+                    future.set_exception(exc)
+                else:  # CUDA tensors in the value: the future records its events after them
+                    future.set_result(self._outputs if cuda is not None else None)
 
         self._future.add_done_callback(settle)
         return future
@@ -280,14 +287,16 @@ class _Executor:
         op.check = check
         return op
 
-    def issue(self, fn, call, device, async_op: bool, what: str, guard=None):
+    def issue(self, fn, call, device, async_op: bool, what: str, guard=None, outputs=()):
         if self.in_turn():  # nested in a running op: part of its turn
             result = self._execute(fn, call, device, None)
             if not async_op:
+                if result[1] is not None:  # the caller's stream reads what the op wrote
+                    torch.cuda.current_stream(result[1].device).wait_event(result[1])
                 return result[0]
             future: concurrent.futures.Future = concurrent.futures.Future()
             future.set_result(result)
-            return Handle(future, what, device=device)
+            return Handle(future, what, device=device, outputs=outputs)
         with self._cond:
             ticket = self._issued
             self._issued += 1
@@ -310,7 +319,7 @@ class _Executor:
         future = concurrent.futures.Future()
         self._ensure_worker()
         self._queue.put((ticket, fn, call, device, ready, future, _profile_to_carry()))
-        return Handle(future, what, guard, device)
+        return Handle(future, what, guard, device, outputs)
 
     def _execute(self, fn, call, device, ready):
         """Run ``fn`` as the op of ``call``: (result, CUDA event marking its end on the comm
@@ -329,7 +338,7 @@ class _Executor:
         try:
             with p2p.running(op):
                 if device is not None and device.type == "cuda":
-                    with _comm_stream(device, ready) as done:
+                    with _comm_stream(self.name, device, ready) as done:
                         result = _run_op(fn, op)
                     return result, done.event
                 return _run_op(fn, op), None
@@ -399,11 +408,11 @@ class _StreamEnd:
 
 
 @contextlib.contextmanager
-def _comm_stream(device, ready):
-    """On CUDA, run on the kit's communication stream, after ``ready``; yields an object
-    whose ``event`` marks the end of the op's work on that stream."""
+def _comm_stream(group_name: str, device, ready):
+    """On CUDA, run on the kit's communication stream of the group on ``device``, after
+    ``ready``; yields an object whose ``event`` marks the end of the op's work there."""
     done = _StreamEnd()
-    stream = _cuda_streams.setdefault(device, torch.cuda.Stream(device))
+    stream = comm_stream(group_name, device)
     if ready is not None:
         stream.wait_event(ready)
     else:
@@ -431,6 +440,20 @@ def labelled(label: str):
 
 
 _cuda_streams: dict = {}
+
+
+def comm_stream(group_name: str, device) -> torch.cuda.Stream:
+    """The kit's communication stream of one group on one device, made once: as NCCL
+    gives each communicator its own, so that two groups' operations (FSDP's AllGather and
+    ReduceScatter, a hybrid's dp and pp) never queue behind each other in an order that
+    differs between ranks."""
+    key = (group_name, torch.device(device))
+    stream = _cuda_streams.get(key)
+    if stream is None:
+        stream = _cuda_streams[key] = torch.cuda.Stream(key[1])
+    return stream
+
+
 _executors: dict = {}
 _executors_lock = threading.Lock()
 
@@ -457,8 +480,10 @@ def _run(name: str, fn, tensor: torch.Tensor, group, async_op: bool, check: bool
     what = description.split(",")[0]
     executor = _executor(group)
     tensors = [t for t, _ in operands]
+    written = [t for t, w in operands if w]
     if not async_op or executor.in_turn() or not tensors:
-        return executor.issue(lambda: fn(*tensors), call, tensor.device, async_op, what)
+        return executor.issue(lambda: fn(*tensors), call, tensor.device, async_op, what,
+                              outputs=written)  # fmt: skip
     site = handles._format_site(handles._caller())
     guard = inflight.Guard(what, site, tensors, [w for _, w in operands])
 
@@ -469,18 +494,23 @@ def _run(name: str, fn, tensor: torch.Tensor, group, async_op: bool, check: bool
         finally:
             guard.ended()
 
-    return executor.issue(guarded, call, tensor.device, async_op, what, guard)
+    return executor.issue(guarded, call, tensor.device, async_op, what, guard, written)
 
 
-def run_async(fn, group=None) -> Handle:
+def run_async(fn, group=None, device=None, outputs=()) -> Handle:
     """Run ``fn()`` on ``group``'s communication worker, in issue order with the kit's
     collectives on that group.
 
     Kit collectives on ``group`` that ``fn`` calls (synchronously) run at once,
     within its turn: a bucketer that flattens, all-reduces and unflattens can
-    be made asynchronous this way. ``wait()`` re-raises what ``fn`` raised.
+    be made asynchronous this way. ``wait()`` re-raises what ``fn`` raised. On a CUDA
+    ``device``, ``fn`` runs on the group's communication stream after the work queued on
+    the caller's stream, and ``wait()`` makes the caller's stream wait for it; ``outputs``
+    (the tensors ``fn`` writes) are the value of the handle's future.
     """
-    return _executor(group).issue(fn, None, None, True, getattr(fn, "__name__", "function"))
+    name = getattr(fn, "__name__", "function")
+    device = None if device is None else torch.device(device)
+    return _executor(group).issue(fn, None, device, True, name, outputs=outputs)
 
 
 def _announce(group, to: list[int], frm: list[int], device, data_follows: bool) -> None:

@@ -84,7 +84,7 @@ class Compressor:
         def work():
             self._reduce_bucket(flat, group, key, shapes, exact_tail)
 
-        handle = collectives.run_async(work, group)
+        handle = collectives.run_async(work, group, device=flat.device, outputs=[flat])
         if not async_op:
             handle.wait()
             return None
@@ -215,8 +215,8 @@ class TopK(Compressor):
         index = body.abs().topk(k, sorted=False).indices
         values = body[index]
         self._spend(start)
-        all_values = torch.empty(world * k, dtype=body.dtype)
-        all_index = torch.empty(world * k, dtype=torch.int64)
+        all_values = torch.empty(world * k, dtype=body.dtype, device=body.device)
+        all_index = torch.empty(world * k, dtype=torch.int64, device=body.device)
         self._all_gather(all_values, values, group, world)
         self._all_gather(all_index, index, group, world)
         start = time.perf_counter()
@@ -309,7 +309,9 @@ class PowerSGD(Compressor):
             for same in by_shape.values():
                 for j in same:
                     m = mats[j]
-                    qs[j] = torch.randn(m.shape[1], min(*m.shape, self.rank), dtype=dtype)
+                    # drawn on the CPU, as torch's hook draws them: the same on every device
+                    q = torch.randn(m.shape[1], min(*m.shape, self.rank), dtype=dtype)
+                    qs[j] = q.to(m.device)
         return qs
 
     def _compressed_average(self, body, group, world, key, shapes):

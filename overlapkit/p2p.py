@@ -60,7 +60,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import handles, shm
+from . import handles, routes, shm
 
 #: tags of the user stream's messages through a process group, apart from a learner's
 #: own dist.send/recv (tag 0); the kit stream has process groups of its own
@@ -309,14 +309,15 @@ _private_lock = threading.Lock()
 _making: dict = {}
 
 
-def _kit_group(group, device: torch.device):
-    """The kit's own process group over ``group``'s ranks, for the kit stream's bytes.
+def _kit_group(group):
+    """The kit's own gloo process group over ``group``'s ranks, for the kit stream's CPU
+    bytes (CUDA tensors on NCCL take a directed route: :mod:`overlapkit.routes`).
 
     Made straight from the default store, outside torch's group registry, so
     making it needs no collective on the user's groups: each member makes it
     when it runs its first kit collective on ``group`` (which every member runs).
     """
-    key = (_group_name(group), device.type)
+    key = _group_name(group)
     pg = _private.get(key)
     if pg is not None:
         return pg
@@ -324,19 +325,17 @@ def _kit_group(group, device: torch.device):
         making = _making.setdefault(key, threading.Lock())  # so groups do not wait in line
     with making:
         if key not in _private:
-            _private[key] = _make_kit_group(group, *key)
+            _private[key] = _make_kit_group(group, key)
     return _private[key]
 
 
-def _make_kit_group(group, name: str, kind: str):
+def _make_kit_group(group, name: str):
     from datetime import timedelta
 
     import torch.distributed.distributed_c10d as c10d
 
-    store = dist.PrefixStore(f"overlapkit/{kind}/{name}", c10d._get_default_store())
+    store = dist.PrefixStore(f"overlapkit/cpu/{name}", c10d._get_default_store())
     me, size = dist.get_rank(group), dist.get_world_size(group)
-    if kind == "cuda":
-        return dist.ProcessGroupNCCL(store, me, size)
     return dist.ProcessGroupGloo(store, me, size, timedelta(seconds=3600))
 
 
@@ -354,6 +353,8 @@ def forget_private_groups() -> None:
     global _world_name, _world_size, _my_rank
     with _private_lock:
         _private.clear()
+        _carries_cuda.clear()
+    routes.forget()
     _world_name = _world_size = _my_rank = None
     _ends.clear()
     for hook in _forget_hooks:
@@ -391,20 +392,46 @@ def _count_user_op() -> None:
 
 
 def _pg_send(tensor: torch.Tensor, dst: int, group, tag: int):
-    """Start sending through the stream's process group; the user stream uses ``group``."""
-    if current_op() is None:
+    """Start sending through the stream's process group; the user stream uses ``group``,
+    CUDA tensors the directed NCCL route of their stream (:mod:`overlapkit.routes`)."""
+    namespace = USER if current_op() is None else KIT
+    routes.note("send", namespace, _group_name(group), dist.get_rank(), dst, tensor)
+    if tensor.device.type == "cuda":
+        pg, peer = routes.directed_group(namespace, _group_name(group), dist.get_rank(), dst)
+        return pg.send([tensor], peer, 0)
+    if namespace == USER:
         _count_user_op()
         return _pollable(dist.isend(tensor, dst, group=group, tag=tag), tensor)
-    pg = _kit_group(group, tensor.device)
+    pg = _kit_group(group)
     return _pollable(pg.send([tensor], _to_pg_rank(group, dst), _kit_tag(tag)), tensor)
 
 
 def _pg_recv(tensor: torch.Tensor, src: int, group, tag: int):
-    if current_op() is None:
+    namespace = USER if current_op() is None else KIT
+    routes.note("recv", namespace, _group_name(group), dist.get_rank(), src, tensor)
+    if tensor.device.type == "cuda":
+        pg, peer = routes.directed_group(namespace, _group_name(group), src, dist.get_rank())
+        return pg.recv([tensor], peer, 0)
+    if namespace == USER:
         _count_user_op()
         return _pollable(dist.irecv(tensor, src, group=group, tag=tag), tensor)
-    pg = _kit_group(group, tensor.device)
+    pg = _kit_group(group)
     return _pollable(pg.recv([tensor], _to_pg_rank(group, src), _kit_tag(tag)), tensor)
+
+
+_carries_cuda: dict = {}
+
+
+def _staged(tensor: torch.Tensor, group) -> bool:
+    """Whether a CUDA tensor must travel through the host: its group's backend (gloo, as
+    on a one-GPU box where the ranks share the GPU) moves CPU tensors only."""
+    if tensor.device.type != "cuda":
+        return False
+    name = _group_name(group)
+    known = _carries_cuda.get(name)
+    if known is None:
+        known = _carries_cuda[name] = routes.carries_cuda(group)
+    return not known
 
 
 def _pollable(work, tensor: torch.Tensor):
@@ -422,8 +449,10 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
     side = _side_streams.get(tensor.device)
     if side is None:
         side = _side_streams[tensor.device] = torch.cuda.Stream(tensor.device)
+    # the caller's stream, read before the switch: inside the block the current stream
+    # is the side one, and a stream that waits for itself orders nothing
+    side.wait_stream(torch.cuda.current_stream(tensor.device))
     with torch.cuda.stream(side):
-        side.wait_stream(torch.cuda.current_stream(tensor.device))
         out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         out.copy_(tensor, non_blocking=True)
     side.synchronize()  # this side stream only, not the device
@@ -491,6 +520,25 @@ class _Plain(_Message):
 
     def _finished(self) -> bool:
         return all(w.is_completed() for w in self._works)
+
+
+class _Landed(_Message):
+    """A receive of a CUDA tensor through a backend that moves CPU tensors only: the
+    message lands in ``host`` (through ``inner``), then is copied into ``tensor``."""
+
+    def __init__(self, inner: _Message, host: torch.Tensor, tensor: torch.Tensor):
+        super().__init__(inner._what)
+        inner._mark_waited()  # waited through this handle
+        self._inner, self._host, self._tensor = inner, host, tensor
+
+    def _wait(self, timeout_at):
+        self._inner._wait(timeout_at)
+        if self._host is not None:
+            self._tensor.copy_(self._host)
+            self._host = None
+
+    def _finished(self) -> bool:
+        return self._inner.is_completed()
 
 
 class _OnTheLink(_Message):
@@ -991,6 +1039,8 @@ def _isend(tensor: torch.Tensor, dst: int, group, state: _LinkState | None, tag=
     if tag != _BEGIN_TAG:
         with torch._C.DisableTorchFunctionSubclass():
             _sent_bytes[0] += tensor.numel() * tensor.element_size()
+    if _staged(tensor, group):  # the copy waits for the caller's stream: the bytes are final
+        tensor = routes.to_host(tensor)
     if state is not None and _shared_memory(tensor):
         return _send_shared(tensor, dst, group, state)
     data = tensor.contiguous()
@@ -1010,6 +1060,9 @@ def _isend(tensor: torch.Tensor, dst: int, group, state: _LinkState | None, tag=
 
 
 def _irecv(tensor: torch.Tensor, src: int, group, state: _LinkState | None, tag=KIT_TAG):
+    if _staged(tensor, group):  # lands on the host, then is copied into place
+        host = torch.empty(tensor.shape, dtype=tensor.dtype)
+        return _Landed(_irecv(host, src, group, state, tag), host, tensor)
     if state is not None:
         return _Receive(tensor, src, group, state)
     describe = _describe("receive", tensor, "from", src)

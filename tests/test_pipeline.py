@@ -297,7 +297,7 @@ def _cuda_streams():
     run_on_one_device(pieces, x.to(device), y.to(device), torch.nn.functional.mse_loss, 4,
                       "1f1b", timeline=tl)  # fmt: skip
     pairs = zip(split.parameters(), full.parameters(), strict=True)
-    return max((q.grad.cpu() - w.grad).abs().max().item() for q, w in pairs), tl.lanes()
+    return max((q.grad.cpu() - w.grad).abs().max().item() for q, w in pairs), tl.lanes
 
 
 @pytest.mark.gpu

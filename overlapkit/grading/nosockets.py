@@ -77,11 +77,9 @@ def forbid_new_sockets(no_exec: bool = False) -> bool:
         return False  # never in a torchrun worker running the check in place
     if dist.get_backend() != "gloo":
         return False
-    import torch  # noqa: PLC0415
-
     from .. import p2p  # noqa: PLC0415
 
-    p2p._kit_group(None, torch.device("cpu"))  # the kit's collectives' own: made now
+    p2p._kit_group(None)  # the kit's collectives' own: made now
     arch, socket, socketpair, seccomp = numbers
     extra = _EXEC[platform.machine()] if no_exec else ()
     code = _program(arch, socket, socketpair, *_IPC[platform.machine()], *extra)
