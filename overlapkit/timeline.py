@@ -17,6 +17,13 @@ Two measures of overlap, for one rank::
 They agree when the rank is never idle; idle time (waiting for a peer)
 lowers the ratio, not the hidden fraction. Both are shown, because the gap
 between them is itself a lesson.
+
+On a GPU, a span means GPU time: :meth:`Timeline.cuda_span` and :meth:`Timeline.track`
+of CUDA work time it with CUDA events, and :meth:`Timeline.from_profiler` takes the
+kernels (and memcpy/memset) of a trace that holds them. The host only enqueues GPU work
+and returns: a span measured on the host's clock around GPU work (``span()``,
+``add(..., now())``, the moment a NCCL ``wait()`` returns) is a launch time, not an
+execution time, and must not be read as one (an overlap seen there can be false).
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+import torch
 
 from . import runtime
 
@@ -116,8 +125,7 @@ class Timeline:
     def __init__(self, rank: int | None = None, spans: Iterable[Span] = ()):
         self.rank = runtime.rank() if rank is None else rank
         self.spans: list[Span] = list(spans)
-        self._cuda_pending: list = []  # (name, lane, start_event, end_event)
-        self._cuda_anchor = None  # (event, host time) pairing the two clocks
+        self._cuda_pending: list = []  # (name, lane, start_event, end_event, device)
 
     # ---------------------------------------------------------------- recording
     @staticmethod
@@ -141,14 +149,29 @@ class Timeline:
         finally:
             self.add(name, start, self.now(), lane)
 
-    def track(self, name: str, work, lane: str = COMM):
-        """Record an async operation from now until it completes; returns a handle.
+    def track(self, name: str, work, lane: str = COMM, device=None):
+        """Record an async operation from now until it completes; returns a handle whose
+        ``wait()`` and ``is_completed()`` are the work's own.
 
-        The end is taken from the work's future when the backend completes it
-        (the true completion time, seen from a communication thread); without a
-        future, from the moment ``wait()`` returns on the returned handle.
+        On the host (CPU tensors, gloo, the kit's own ops): the span starts now and ends
+        when the work's future completes (the true completion time, seen from a
+        communication thread); without a future, when ``wait()`` returns on the handle.
+
+        CUDA work is timed on the GPU, with CUDA events, as :meth:`cuda_span` is: an event
+        recorded now on the current stream (NCCL's stream waits for this one before the
+        collective starts: the span includes queueing behind earlier collectives), and an
+        event recorded on a stream that waits for the work — in the callback of the work's
+        future, which PyTorch runs on a stream synchronised with the work's kernels (NCCL
+        completes its future at launch, so this is at once); without a future, on the
+        current stream just after ``wait()`` (NCCL's ``wait()`` makes that stream wait for
+        the collective; work queued on it before ``wait()`` then delays this end). The span
+        is put on the host clock when the timeline is read. The work is CUDA work when
+        ``device`` (the device of its tensors, e.g. ``tensor.device``) is a CUDA device, or,
+        ``device`` None, when its future is already complete with CUDA tensors (NCCL's);
+        ``device="cpu"`` keeps the host clock. The handle's ``is_completed()`` is the
+        work's (NCCL's: done on the GPU); the span's times are the GPU's, read later.
         """
-        return _TrackedWork(self, name, lane, work)
+        return _TrackedWork(self, name, lane, work, device)
 
     @contextlib.contextmanager
     def cuda_span(self, name: str, lane: str = COMPUTE, stream=None):
@@ -157,33 +180,38 @@ class Timeline:
         The host returns immediately; the span is placed on the host clock when
         the timeline is read (this synchronises the device once).
         """
-        import torch
-
-        if self._cuda_anchor is None:
-            torch.cuda.synchronize()
-            anchor = torch.cuda.Event(enable_timing=True)
-            anchor.record()
-            anchor.synchronize()
-            self._cuda_anchor = (anchor, self.now())
-        stream = stream or torch.cuda.current_stream()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cuda = _torch_cuda()
+        stream = stream or cuda.current_stream()
+        start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
         start.record(stream)
         try:
             yield
         finally:
             end.record(stream)
-            self._cuda_pending.append((name, lane, start, end))
+            self._cuda_pending.append((name, lane, start, end, stream.device))
 
     def _resolve_cuda(self) -> None:
+        """Put the pending CUDA spans on the host clock: per device, once everything
+        pending there is done, an anchor event pairs the GPU's clock with the host's, and
+        each event is placed by its time before the anchor."""
         if not self._cuda_pending:
             return
-        anchor, host = self._cuda_anchor
-        for name, lane, start, end in self._cuda_pending:
+        pending = []  # a future's callback may add one from another thread meanwhile
+        while self._cuda_pending:
+            pending.append(self._cuda_pending.pop(0))
+        cuda, anchors = _torch_cuda(), {}
+        for name, lane, start, end, device in pending:
             end.synchronize()
-            s = host + anchor.elapsed_time(start) / 1e3
-            e = host + anchor.elapsed_time(end) / 1e3
-            self.add(name, s, e, lane)
-        self._cuda_pending.clear()
+            if str(device) not in anchors:
+                cuda.synchronize(device)
+                anchor = cuda.Event(enable_timing=True)
+                anchor.record(cuda.current_stream(device))
+                anchor.synchronize()
+                anchors[str(device)] = (anchor, self.now())
+            anchor, host = anchors[str(device)]
+            s = host - start.elapsed_time(anchor) / 1e3
+            e = host - end.elapsed_time(anchor) / 1e3
+            self.add(name, s, max(s, e), lane)  # a tracked op's two events, on two streams
 
     def __getstate__(self):
         self._resolve_cuda()  # events do not travel between processes
@@ -445,14 +473,22 @@ class Timeline:
         written by ``prof.export_chrome_trace(path)``, its JSON as a dict, or the
         ``torch.profiler.profile`` object itself.
 
-        Communication (lane ``comm``): the collectives' own execution spans — gloo's
-        ``gloo:*`` events on its worker threads, NCCL kernels on the GPU. Computation
-        (lane ``compute``): every other operator of the threads that issue work (CPU
-        ops; on a GPU, every other kernel), the collectives' brief ``c10d::*`` issue
-        calls aside. Nested operators are merged by the overlap measures, which work on
-        the union of intervals. Times start at 0 at the trace's first event. The kit's
-        own ring runs in Python on the kit's communication thread, which the profiler
-        does not trace: its spans come from the kit's timelines.
+        What ran, not what was launched. A trace of GPU work (``ProfilerActivity.CUDA``:
+        it holds ``kernel``, ``gpu_memcpy`` or ``gpu_memset`` events) is read on the GPU:
+        communication (lane ``comm``) is the NCCL kernels (``ncclDevKernel_*``,
+        ``ncclKernel_*``), computation (lane ``compute``) every other kernel, memcpy and
+        memset, whatever stream each ran on; the host's events (``cpu_op``,
+        ``cuda_runtime``, ``cuda_driver``, ``python_function``, ``user_annotation``) only
+        launched that work, and are not counted (an operator's host span is its launch: a
+        host waiting in ``.item()`` would read as computing). gloo's ``gloo:*`` events stay
+        communication, as its worker threads execute the collective. A trace of CPU work
+        only: communication is gloo's ``gloo:*`` events on its worker threads, computation
+        every other operator (``cpu_op``) of the threads that issue work, the collectives'
+        brief ``c10d::*`` issue calls aside. Nested operators and kernels on several streams
+        are merged by the overlap measures, which work on the union of intervals. Times
+        start at 0 at the trace's first event. The kit's own ring runs in Python on the
+        kit's communication thread, which the profiler does not trace: its spans come from
+        the kit's timelines.
         """
         if hasattr(source, "export_chrome_trace"):
             import os  # noqa: PLC0415
@@ -480,9 +516,10 @@ class Timeline:
         if not spans:
             raise ValueError("the trace holds no complete ('X') events: was anything profiled?")
         t0 = min(float(e["ts"]) for e in spans)
+        on_gpu = any(str(e.get("cat", "")).lower() in _DEVICE_CATS for e in spans)
         timeline = cls(rank=rank)
         for e in spans:
-            lane = _profiler_lane(e)
+            lane = _profiler_lane(e, on_gpu)
             if lane is None:
                 continue
             start = (float(e["ts"]) - t0) / 1e6
@@ -490,23 +527,57 @@ class Timeline:
         return timeline
 
 
-def _profiler_lane(event: dict) -> str | None:
-    """``comm``, ``compute`` or None (not counted) for one profiler trace event."""
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")  # what a GPU executed (Kineto)
+
+
+def _profiler_lane(event: dict, on_gpu: bool) -> str | None:
+    """``comm``, ``compute`` or None (not counted) for one profiler trace event;
+    ``on_gpu``: the trace holds GPU activity, which alone is then counted."""
     name, cat = str(event.get("name", "")), str(event.get("cat", "")).lower()
     lowered = name.lower()
-    if lowered.startswith("gloo:") or (cat == "kernel" and "nccl" in lowered):
+    if cat in _DEVICE_CATS:
+        return COMM if cat == "kernel" and "nccl" in lowered else COMPUTE
+    if lowered.startswith("gloo:"):
         return COMM
+    if on_gpu:
+        return None  # the host's side of GPU work: launches, not execution
     if lowered.startswith(("c10d::", "record_param_comms", "nccl:")):
         return None  # issuing a collective: its execution is counted above
-    if cat in ("cpu_op", "kernel", "gpu_memcpy", "gpu_memset"):
+    if cat == "cpu_op":
         return COMPUTE
     return None
 
 
-class _TrackedWork:
-    """Handle returned by :meth:`Timeline.track`: wait() like the work it wraps."""
+def _torch_cuda():
+    """``torch.cuda``: where the timeline gets its events, streams and synchronisation
+    (the one place a test replaces, to check the CUDA paths on a machine without one)."""
+    return torch.cuda
 
-    def __init__(self, timeline: Timeline, name: str, lane: str, work):
+
+def _cuda_device(device, future) -> torch.device | None:
+    """The CUDA device whose clock times a tracked work, or None for the host's clock."""
+    if device is not None:
+        device = torch.device(device)
+        return device if device.type == "cuda" else None
+    value = None
+    with contextlib.suppress(Exception):  # not done, or failed: the host's clock
+        if future is not None and future.done():
+            value = future.value()  # NCCL's: the collective's tensors, at launch
+    for item in value if isinstance(value, (list, tuple)) else (value,):
+        if getattr(item, "is_cuda", False) is True:
+            return item.device
+    return None
+
+
+class _TrackedWork:
+    """Handle returned by :meth:`Timeline.track`: wait() like the work it wraps.
+
+    On CUDA the span's start is an event recorded at track() and its end an event
+    recorded where a stream waits for the work (see :meth:`Timeline.track`), so the
+    span is the GPU's; ``is_completed()`` is the work's own answer, never the span's.
+    """
+
+    def __init__(self, timeline: Timeline, name: str, lane: str, work, device=None):
         self._work = work
         self._timeline = timeline
         self._name, self._lane = name, lane
@@ -516,14 +587,30 @@ class _TrackedWork:
         future = None
         with contextlib.suppress(Exception):  # not every backend/op has a future
             future = work.get_future()
+        self._device = _cuda_device(device, future)
+        if self._device is not None:  # the GPU's clock: an event after what is queued now
+            cuda = _torch_cuda()
+            self._start = cuda.Event(enable_timing=True)
+            self._start.record(cuda.current_stream(self._device))
         if future is not None:
             future.add_done_callback(lambda _: self._record())
 
     def _record(self) -> None:
         with self._lock:
-            if not self._recorded:
-                self._recorded = True
+            if self._recorded:
+                return
+            self._recorded = True
+            if self._device is None:
                 self._timeline.add(self._name, self._start, self._timeline.now(), self._lane)
+                return
+            # the current stream waits for the work here: in a future's callback, a stream
+            # PyTorch synchronised with it; after wait(), the caller's, as NCCL's wait() does
+            cuda = _torch_cuda()
+            end = cuda.Event(enable_timing=True)
+            end.record(cuda.current_stream(self._device))
+            self._timeline._cuda_pending.append(
+                (self._name, self._lane, self._start, end, self._device)
+            )
 
     def wait(self, *args):
         result = self._work.wait(*args)
@@ -531,6 +618,7 @@ class _TrackedWork:
         return result
 
     def is_completed(self) -> bool:
+        """The work's answer (NCCL's: finished on the GPU); the span is read later."""
         return self._work.is_completed()
 
 
