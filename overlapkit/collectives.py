@@ -200,6 +200,10 @@ class Handle(handles.Tracked):
 
     def is_completed(self) -> bool:
         done = self._future.done()
+        if done and self._future.exception() is None:
+            end = self._future.result()[1]
+            if end is not None and not end.query():  # the host is done, the GPU not yet
+                return False
         if done and self._guard is not None and self._future.exception() is None:
             # a polling loop may read the tensor once this says True, as with NCCL's
             # is_completed(): the result is written back now; a race is raised by wait()

@@ -337,7 +337,7 @@ class _DataParallel(torch.nn.Module):
         if self.timeline is not None:
             # a bucket of one gradient is named after its parameter
             name = self._names[idx[0]] if len(idx) == 1 else f"bucket {b}"
-            handle = self.timeline.track(name, handle, "comm")
+            handle = self.timeline.track(name, handle, "comm", device=flat.device)
         self._inflight.append((b, flat, handle))
         return handle
 
@@ -562,7 +562,7 @@ def ddp_comm_hook(all_reduce=None, timeline=None, compress=None):
         world = dist.get_world_size(state)
         handle = all_reduce(buf, group=state, async_op=True)
         if timeline is not None:
-            timeline.track(f"torch bucket {bucket.index()}", handle, "comm")
+            timeline.track(f"torch bucket {bucket.index()}", handle, "comm", device=buf.device)
         # value() first: a callback that ignores it turns a failed reduction into a result
         return handle.get_future().then(lambda done: (done.value(), buf.div_(world))[1])
 
@@ -577,7 +577,7 @@ def _compressed_hook(compress, timeline):
         shapes = [g.shape for g in bucket.gradients()]
         handle = compress(buf, group=state, key=bucket.index(), shapes=shapes)
         if timeline is not None:
-            timeline.track(f"torch bucket {bucket.index()}", handle, "comm")
+            timeline.track(f"torch bucket {bucket.index()}", handle, "comm", device=buf.device)
         return handle.get_future().then(lambda done: (done.value(), buf)[1])
 
     kit_compressed_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]

@@ -286,7 +286,7 @@ class FullyShardedDP(torch.nn.Module):
         u.counted = True
         handle = self._all_gather(u.full, u.shard.detach()) or handles.Done()
         if self.timeline is not None:
-            handle = self.timeline.track(f"AG {u.name}", handle, "comm")
+            handle = self.timeline.track(f"AG {u.name}", handle, "comm", device=u.full.device)
         u.pending = handle
 
     def _wait(self, u: _Unit) -> None:
@@ -420,7 +420,7 @@ class FullyShardedDP(torch.nn.Module):
         out = torch.empty(u.shard_numel, dtype=flat.dtype, device=flat.device)
         handle = self._reduce_scatter(out, flat) or handles.Done()
         if self.timeline is not None:
-            handle = self.timeline.track(f"RS {u.name}", handle, "comm")
+            handle = self.timeline.track(f"RS {u.name}", handle, "comm", device=out.device)
         self._reducing.append((u, out, flat, handle))
 
     def _end_of_backward(self) -> None:

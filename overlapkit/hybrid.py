@@ -248,7 +248,7 @@ class _Reductions:
             else:
                 handle = dist.all_reduce(flat, group=st.mesh.dp_group, async_op=True)
         if self.timeline is not None:
-            handle = self.timeline.track(f"bucket {b}", handle, DP_LANE)
+            handle = self.timeline.track(f"bucket {b}", handle, DP_LANE, device=flat.device)
         self.inflight[b] = (flat, handle)
 
     def do(self, event: tuple) -> None:

@@ -190,6 +190,7 @@ class MoELayer(torch.nn.Module):
                 "same schedule"
             )
         sorted_x = x[order]
+        self._device = x.device  # where the AllToAlls run: their spans are timed there
         self._span("route", t0, "compute")
         send_at, recv_at = send.tolist(), recv.tolist()
         starts = [local]  # where each chunk's block begins in sorted_x
@@ -228,7 +229,9 @@ class MoELayer(torch.nn.Module):
 
     def _track(self, name: str, pending: list):
         handle = pending.pop()
-        return self.timeline.track(name, handle, "comm") if self.timeline is not None else handle
+        if self.timeline is None:
+            return handle
+        return self.timeline.track(name, handle, "comm", device=self._device)
 
     def _span(self, name: str, start: float, lane: str) -> None:
         if self.timeline is not None:
