@@ -70,8 +70,8 @@ record: $(STAMP)
 browser-deps:
 	@bash scripts/browser_deps.sh
 
-## Every GPU check (on a machine with CUDA).
-gpu-check: $(STAMP)
+## Every GPU check (on a machine with CUDA), on the kit as installed: no pip, no network.
+gpu-check:
 	PYTHON=$(BIN)/python bash scripts/gpu_check.sh
 
 clean:

@@ -248,13 +248,19 @@ class _DataParallel(torch.nn.Module):
             if next(self.module.buffers(), None) is not None:
                 self._broadcast_from_rank0(buffers_only=True)
         self._sync_buffers_next = torch.is_grad_enabled() and not self._no_sync
-        start = time.perf_counter()
+        start = self._stamp()
         out = self.module(*args, **kwargs)
         if self.timeline is not None:
-            self.timeline.add("forward", start, time.perf_counter(), "compute")
+            self.timeline.add("forward", start, self._stamp(), "compute")
         if torch.is_grad_enabled() and not self._no_sync:
             self._hook_outputs(out)
         return out
+
+    def _stamp(self):
+        """Now, for a span of the timeline: the GPU's moment where the model is on one."""
+        if self.timeline is None:
+            return time.perf_counter()
+        return self.timeline.stamp(next(self.module.parameters()).device)
 
     def _hook_outputs(self, out) -> None:
         """The first gradient reaching an output marks the start of this module's backward."""
@@ -264,14 +270,14 @@ class _DataParallel(torch.nn.Module):
 
     def _on_output_grad(self, grad):
         if self._backward_start is None:
-            self._backward_start = time.perf_counter()
+            self._backward_start = self._stamp()
         if self._state != "synced":
             self._state = "backward"
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if self._no_sync:
             return  # accumulate only; the next synchronised backward reduces the sum
-        now = time.perf_counter()
+        now = self._stamp()
         if self._backward_start is None:
             self._backward_start = now
         self._backward_end = now
@@ -359,7 +365,7 @@ class _DataParallel(torch.nn.Module):
                 "this step: call loss.backward() first (no gradient has reached the model "
                 "since the last synchronisation)"
             )
-        backward_end = self._backward_end or time.perf_counter()
+        backward_end = self._backward_end or self._stamp()
         if not self.overlap:
             for b in range(len(self.buckets)):  # naive: one after the other, after backward
                 self._launch(b)

@@ -332,18 +332,22 @@ class FullyShardedDP(torch.nn.Module):
         if self._manual:  # run_plan: the plan gathers; the unit must be whole by now
             if not u.gathered or u.pending is not None:
                 raise PlanError(f"unit {u.index} is not whole ({_state(u)})")
-            u.forward_start = time.perf_counter()
+            u.forward_start = self._stamp(u)
             return
         self._issue(u)
         if self.prefetch == "explicit":
             for nxt in self._ahead(self._order, u, self.prefetch_depth):
                 self._issue(nxt)
         self._wait(u)
-        u.forward_start = time.perf_counter()
+        u.forward_start = self._stamp(u)
+
+    def _stamp(self, u: _Unit):
+        """Now, for a span of the timeline: the GPU's moment where the unit is on one."""
+        return time.perf_counter() if self.timeline is None else self.timeline.stamp(u.full.device)
 
     def _post_forward(self, u: _Unit, module, args, output):
         if self.timeline is not None:
-            self.timeline.add(f"F {u.name}", u.forward_start, time.perf_counter(), "compute")
+            self.timeline.add(f"F {u.name}", u.forward_start, self._stamp(u), "compute")
         if self._manual:
             return
         if torch.is_grad_enabled() and _needs_grad(output):  # frozen units too: input grads
@@ -364,7 +368,7 @@ class FullyShardedDP(torch.nn.Module):
             for nxt in self._ahead(self._backward_order(), u, depth):
                 self._issue(nxt)
         self._wait(u)
-        u.backward_start = time.perf_counter()
+        u.backward_start = self._stamp(u)
         return None
 
     def _backward_order(self) -> list[int]:
@@ -407,7 +411,7 @@ class FullyShardedDP(torch.nn.Module):
     def _launch(self, u: _Unit) -> None:
         u.launched = True
         if self.timeline is not None and getattr(u, "backward_start", None) is not None:
-            self.timeline.add(f"B {u.name}", u.backward_start, time.perf_counter(), "compute")
+            self.timeline.add(f"B {u.name}", u.backward_start, self._stamp(u), "compute")
         flat = torch.zeros(u.padded, dtype=u.full.dtype, device=u.full.device)
         self._count("gradients", u.bytes)
         for leaf, o, n in zip(u.leaves, u.offsets, u.numels, strict=True):
@@ -542,7 +546,7 @@ class FullyShardedDP(torch.nn.Module):
                         if k not in outputs or (k < n - 1 and k + 1 not in grads):
                             first = f"forward {k}" if k not in outputs else f"backward {k + 1}"
                             raise PlanError(f"{first} has not run: backward {k} needs it")
-                        u.backward_start = time.perf_counter()
+                        u.backward_start = self._stamp(u)
                         if k == n - 1:
                             loss = loss_fn(outputs[k], target)
                             loss.backward()

@@ -232,8 +232,10 @@ def launch(
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks; return their values by rank.
 
     The default process group is initialised on each rank before ``fn`` runs
-    (``backend="auto"``: NCCL when each rank can have its own CUDA device, else
-    gloo). ``timeout`` (seconds, None for none) bounds the whole launch.
+    (``backend="auto"``: where each rank can have a CUDA device of its own, rank r takes
+    the r-th GPU ``CUDA_VISIBLE_DEVICES`` allows and the group is ``"cpu:gloo,cuda:nccl"``,
+    NCCL for CUDA tensors and gloo for CPU ones; else gloo, the ranks on the CPU).
+    ``timeout`` (seconds, None for none) bounds the whole launch.
     ``threads`` sets torch's intra-op threads per rank; by default the cores
     are shared out so that ranks do not oversubscribe them. ``quiet=True``
     discards the ranks' output instead of printing it. ``link`` (an :class:`ok.Link`)

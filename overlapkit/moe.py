@@ -155,7 +155,8 @@ class MoELayer(torch.nn.Module):
                 f"rank {me}: chunks={k!r} must be an integer from 1 to the {len(x)} tokens "
                 f"this rank holds (each chunk needs at least one token)"
             )
-        t0 = time.perf_counter()
+        self._device = x.device  # where the layer runs: its spans are timed there
+        t0 = self._stamp()
         expert, gate = route(x, self.router)
         # one sort for every chunk, by chunk and then by expert (stable): chunk c's tokens
         # for rank j are one contiguous block; with local_first this rank's own go first
@@ -190,7 +191,6 @@ class MoELayer(torch.nn.Module):
                 "same schedule"
             )
         sorted_x = x[order]
-        self._device = x.device  # where the AllToAlls run: their spans are timed there
         self._span("route", t0, "compute")
         send_at, recv_at = send.tolist(), recv.tolist()
         starts = [local]  # where each chunk's block begins in sorted_x
@@ -208,7 +208,7 @@ class MoELayer(torch.nn.Module):
         for c in range(ahead):
             dispatched[c] = (dispatch(c, pending), self._track(f"dispatch {c}", pending))
         if self.local_first:
-            t0 = time.perf_counter()
+            t0 = self._stamp()
             outs.append(self.expert(sorted_x[:local]))
             self._span("expert local", t0, "compute")
         for c in range(k):
@@ -217,7 +217,7 @@ class MoELayer(torch.nn.Module):
                 dispatched[n] = (dispatch(n, pending), self._track(f"dispatch {n}", pending))
             tokens, handle = dispatched.pop(c)
             handle.wait()
-            t0 = time.perf_counter()
+            t0 = self._stamp()
             y = self.expert(tokens)
             self._span(f"expert {c}", t0, "compute")
             outs.append(AllToAll.apply(y, send_at[c], recv_at[c], self.group, pending))
@@ -233,6 +233,10 @@ class MoELayer(torch.nn.Module):
             return handle
         return self.timeline.track(name, handle, "comm", device=self._device)
 
-    def _span(self, name: str, start: float, lane: str) -> None:
+    def _stamp(self):
+        """Now, for a span: the host clock, or the GPU's moment on a CUDA device."""
+        return time.perf_counter() if self.timeline is None else self.timeline.stamp(self._device)
+
+    def _span(self, name: str, start, lane: str) -> None:
         if self.timeline is not None:
-            self.timeline.add(name, start, time.perf_counter(), lane)
+            self.timeline.add(name, start, self._stamp(), lane)

@@ -301,9 +301,13 @@ class _Run:
                 self._waited(handle, start, name)
             self.sends.clear()
 
-    def _span(self, name: str, start: float) -> None:
+    def _stamp(self):
+        """Now, for a compute span: the GPU's moment where the stage is on one."""
+        return time.perf_counter() if self.timeline is None else self.timeline.stamp(self.device)
+
+    def _span(self, name: str, start) -> None:
         if self.timeline is not None:
-            self.timeline.add(name, start, time.perf_counter(), "compute")
+            self.timeline.add(name, start, self._stamp(), "compute")
 
     # ------------------------------------------------------------ actions
     def forward(self, k: int) -> None:
@@ -320,7 +324,7 @@ class _Run:
             x.requires_grad_(True)
             if self.overlap:
                 self._post_act_recv(k + 1)  # the next one travels while this computes
-        start = time.perf_counter()
+        start = self._stamp()
         try:
             out = st.module(x)
         except Exception as exc:
@@ -368,7 +372,7 @@ class _Run:
         x, y = self.stash.pop(k)
         if st.last:
             self._serialise()
-            start = time.perf_counter()
+            start = self._stamp()
             y.backward()
         else:
             if k not in self.grad_recv:
@@ -376,7 +380,7 @@ class _Run:
             grad, handle = self.grad_recv.pop(k)
             self._serialise()
             handle.wait()
-            start = time.perf_counter()
+            start = self._stamp()
             y.backward(grad)
         self._span(f"B{k}", start)
         if not st.first:

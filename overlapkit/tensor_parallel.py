@@ -264,9 +264,14 @@ def _finish_sends(timeline, sends) -> None:
             timeline.add(name, start, max(start, end), "comm")
 
 
-def _computed(timeline, name: str, start: float) -> None:
+def _stamp(timeline, device):
+    """Now, for a compute span: the host clock, or the GPU's moment on a CUDA device."""
+    return time.perf_counter() if timeline is None else timeline.stamp(device)
+
+
+def _computed(timeline, name: str, start, device) -> None:
     if timeline is not None:
-        timeline.add(name, start, timeline.now(), "compute")
+        timeline.add(name, start, timeline.stamp(device), "compute")
 
 
 class _AllGatherMatmul(torch.autograd.Function):
@@ -300,9 +305,9 @@ class _AllGatherMatmul(torch.autograd.Function):
                     recvs[k, p].wait()
                 if k < world - 1:  # pass it on while multiplying it
                     sends.append((f"send {src}.{p}", p2p.isend(gathered[a:b], right), now()))
-                t0 = now()
+                t0 = _stamp(timeline, x.device)
                 out[a:b] = gathered[a:b] @ w
-                _computed(timeline, f"matmul {src}.{p}", t0)
+                _computed(timeline, f"matmul {src}.{p}", t0, x.device)
         _finish_sends(timeline, sends)
         ctx.save_for_backward(gathered, weight)
         ctx.group = group
@@ -365,9 +370,9 @@ class _MatmulReduceScatter(torch.autograd.Function):
         for k in range(world):
             block = (me - k - 1) % world  # the block with the longest way to go first
             for p, (lo, hi) in enumerate(pieces):
-                t0 = now()
+                t0 = _stamp(timeline, x.device)
                 acc = xd[block * rows + lo : block * rows + hi] @ w  # my share of it
-                _computed(timeline, f"matmul {block}.{p}", t0)
+                _computed(timeline, f"matmul {block}.{p}", t0, x.device)
                 if k:  # add the sum of the ranks before me
                     buf, handle = recvs[k, p]
                     handle.wait()

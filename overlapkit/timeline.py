@@ -132,8 +132,25 @@ class Timeline:
     def now() -> float:
         return time.perf_counter()
 
-    def add(self, name: str, start: float, end: float, lane: str = COMPUTE, rank=None) -> Span:
-        """Record a span measured elsewhere (times from :meth:`now`)."""
+    def stamp(self, device=None):
+        """A moment for :meth:`add`: the host clock (:meth:`now`), or on a CUDA ``device``
+        an event recorded on its current stream — the moment the GPU reaches the work
+        queued so far, read when the timeline is read. What the kit's wrappers time their
+        compute spans with: on a GPU, the host's clock would only say when work was
+        launched."""
+        if device is None or torch.device(device).type != "cuda":
+            return self.now()
+        cuda = _torch_cuda()
+        event = cuda.Event(enable_timing=True)
+        event.record(cuda.current_stream(device))
+        return event
+
+    def add(self, name: str, start, end, lane: str = COMPUTE, rank=None) -> Span | None:
+        """Record a span measured elsewhere: times from :meth:`now`, or CUDA events from
+        :meth:`stamp` (placed on the host clock when the timeline is read; None now)."""
+        if not isinstance(start, (int, float)):
+            self._cuda_pending.append((name, lane, start, end, getattr(start, "device", None)))
+            return None
         if end < start:
             raise ValueError(f"span {name!r} ends ({end}) before it starts ({start})")
         span = Span(name, start, end, lane, self.rank if rank is None else rank)

@@ -132,3 +132,29 @@ def test_a_rank_sees_the_callers_cuda_visible_devices_of_this_launch(monkeypatch
     assert ok.launch(visible, world_size=1, timeout=120) == [""]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert ok.launch(visible, world_size=1, timeout=120) == [None]
+
+
+# --------------------------------------------------------------------------- streams
+
+
+def test_each_group_has_one_communication_stream_per_device_made_once(monkeypatch):
+    """As NCCL gives each communicator its own stream: FSDP's AllGather and ReduceScatter
+    groups, or a hybrid's dp and pp groups, never queue behind each other on one stream."""
+    import torch
+
+    from overlapkit import collectives
+
+    made = []
+
+    class Stream:  # torch.cuda.Stream stand-in: no GPU here
+        def __init__(self, device):
+            made.append(device)
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(collectives, "_cuda_streams", {})
+    ag0 = collectives.comm_stream("all_gather", "cuda:0")
+    assert collectives.comm_stream("all_gather", torch.device("cuda", 0)) is ag0
+    rs0 = collectives.comm_stream("reduce_scatter", "cuda:0")
+    ag1 = collectives.comm_stream("all_gather", "cuda:1")
+    assert len({id(ag0), id(rs0), id(ag1)}) == 3
+    assert made == [torch.device("cuda", 0), torch.device("cuda", 0), torch.device("cuda", 1)]

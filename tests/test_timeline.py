@@ -528,3 +528,25 @@ def test_a_tracked_nccl_all_reduce_spans_its_kernel():
             assert span.duration >= max(kernels) - 20e-6
             if world > 1:
                 assert span.end > returned  # wait() returned before the GPU was done
+
+
+def test_a_stamp_is_the_host_clock_off_a_gpu_and_a_cuda_event_on_one(monkeypatch):
+    """The wrappers' compute spans: on the CPU the host's clock, as before; on a CUDA device
+    events on the current stream, placed on the host clock when the timeline is read."""
+    monkeypatch.setattr(timeline_module, "_torch_cuda", lambda: pytest.fail("CUDA touched"))
+    clock = _host_clock(monkeypatch, start=5.0)
+    tl = ok.Timeline(rank=0)
+    start = tl.stamp(torch.device("cpu"))
+    clock[0] = 6.5
+    tl.add("F0", start, tl.stamp(None))
+    assert [(s.name, s.start, s.end) for s in tl.select()] == [("F0", 5.0, 6.5)]
+
+    cuda = _FakeCuda(1.0, 3.0, 4.0)  # GPU ms: the forward's start, its end, the anchor
+    monkeypatch.setattr(timeline_module, "_torch_cuda", lambda: cuda)
+    tl = ok.Timeline(rank=0)
+    start = tl.stamp("cuda:0")
+    assert tl.add("F1", start, tl.stamp("cuda:0")) is None  # placed when read
+    assert cuda.log == [("record", "caller"), ("record", "caller")]
+    clock[0] = 10.0  # read: the anchor (GPU 4 ms) is host 10 s
+    (span,) = tl.select()
+    assert (span.start, span.end) == (pytest.approx(10.0 - 3e-3), pytest.approx(10.0 - 1e-3))
