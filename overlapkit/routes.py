@@ -38,6 +38,8 @@ import threading
 import torch
 import torch.distributed as dist
 
+from . import runtime
+
 _directed: dict = {}
 _directed_lock = threading.Lock()
 
@@ -113,10 +115,7 @@ def note(kind: str, namespace: str, group_name: str, me: int, peer: int, tensor)
 def carries_cuda(group=None) -> bool:
     """Whether ``group``'s backend moves CUDA tensors point to point (NCCL does; gloo
     does not, so the kit stages them through the host)."""
-    config = str(dist.get_backend_config(group))
-    if ":" not in config:
-        return config == "nccl"
-    return dict(part.split(":", 1) for part in config.split(",")).get("cuda") == "nccl"
+    return runtime.backends(group).get("cuda") == "nccl"
 
 
 def to_host(tensor: torch.Tensor) -> torch.Tensor:

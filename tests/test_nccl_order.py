@@ -1,7 +1,7 @@
 """The order in which the kit posts point-to-point messages, as NCCL would run them.
 
 Each case runs on gloo ranks on the CPU with every message through the process group
-(no shared memory), records what each rank posted (``ok.routes.recording``) with the
+(no shared memory), records what each rank posted (``overlapkit.routes.recording``) with the
 communicator NCCL would take for it, and replays the record under NCCL's blocking rule
 (``tests/nccl_order.py``): no hang, every send received with its size and dtype. The
 same records replayed as if both directions of a pair shared one stream show the hangs
