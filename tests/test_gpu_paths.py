@@ -27,15 +27,13 @@ import torch
 
 import overlapkit as ok
 from overlapkit import hybrid
-from overlapkit.collectives import chunk_bounds
 from overlapkit.compression import Half, PowerSGD, TopK
 from overlapkit.pipeline import PipelineStage, run_on_one_device
 from overlapkit.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
     all_gather_matmul,
     matmul_reduce_scatter,
 )
+from tests.test_tensor_parallel import mlp_checks
 
 pytestmark = pytest.mark.gpu
 
@@ -349,39 +347,12 @@ def test_cuda_compression_averages_cuda_buckets_as_one_process_does(world):
 
 # ------------------------------------------------------------------ tensor parallel
 
-ROWS = 6  # divisible by 1, 2 and 3 ranks: the sequence shards
 
 
 def _mlp_on_ranks(sequence_parallel):
     """tests/test_tensor_parallel.py's MLP on the rank's GPU: the differences from one
     device (the same GPU) in output and every gradient, and where the tensors were."""
-    me, world = ok.rank(), ok.world_size()
-    dev = _device()
-    torch.manual_seed(0)
-    l1, l2 = torch.nn.Linear(8, 16).to(dev), torch.nn.Linear(16, 8).to(dev)
-    x = torch.randn(ROWS, 8, generator=torch.Generator().manual_seed(1)).to(dev)
-    x.requires_grad_(True)
-    target = torch.randn(ROWS, 8, generator=torch.Generator().manual_seed(2)).to(dev)
-    loss = torch.nn.functional.mse_loss(l2(torch.nn.functional.gelu(l1(x))), target)
-    loss.backward()
-    col = ColumnParallelLinear(8, 16, from_layer=l1, sequence_parallel=sequence_parallel)
-    row = RowParallelLinear(16, 8, from_layer=l2, sequence_parallel=sequence_parallel)
-    lo, hi = me * ROWS // world, (me + 1) * ROWS // world
-    xin = (x[lo:hi] if sequence_parallel else x).detach().requires_grad_(True)
-    y = row(torch.nn.functional.gelu(col(xin)))
-    want_y = l2(torch.nn.functional.gelu(l1(x))).detach()
-    mine = target[lo:hi] if sequence_parallel else target
-    tp_loss = torch.nn.functional.mse_loss(y, mine, reduction="sum") / target.numel()
-    tp_loss.backward()
-    c_lo, c_hi = chunk_bounds(16, world)[me]
-    checks = {
-        "output": (y, want_y[lo:hi] if sequence_parallel else want_y),
-        "column weight grad": (col.weight.grad, l1.weight.grad[c_lo:c_hi]),
-        "column bias grad": (col.bias.grad, l1.bias.grad[c_lo:c_hi]),
-        "row weight grad": (row.weight.grad, l2.weight.grad[:, c_lo:c_hi]),
-        "row bias grad": (row.bias.grad, l2.bias.grad),
-        "input grad": (xin.grad, x.grad[lo:hi] if sequence_parallel else x.grad),
-    }
+    checks, (col, row) = mlp_checks(sequence_parallel, _device())
     diffs = {k: (a - b).abs().max().item() for k, (a, b) in checks.items()}
     return diffs, _where(*(a for a, _ in checks.values()), col.weight, row.weight)
 

@@ -12,12 +12,15 @@ from overlapkit.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 ROWS = 6  # divisible by 2 and 3 ranks: the sequence shards
 
 
-def _mlp_on_ranks(sequence_parallel):
+def mlp_checks(sequence_parallel, device="cpu"):
+    """The tensor-parallel MLP beside one device (on ``device``): {what: (this rank's
+    tensor, one device's)}, and the rank's two sharded layers."""
     me, world = ok.rank(), ok.world_size()
     torch.manual_seed(0)
-    l1, l2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
-    x = torch.randn(ROWS, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
-    target = torch.randn(ROWS, 8, generator=torch.Generator().manual_seed(2))
+    l1, l2 = torch.nn.Linear(8, 16).to(device), torch.nn.Linear(16, 8).to(device)
+    x = torch.randn(ROWS, 8, generator=torch.Generator().manual_seed(1)).to(device)
+    x.requires_grad_(True)
+    target = torch.randn(ROWS, 8, generator=torch.Generator().manual_seed(2)).to(device)
     # one device
     loss = torch.nn.functional.mse_loss(l2(torch.nn.functional.gelu(l1(x))), target)
     loss.backward()
@@ -43,6 +46,11 @@ def _mlp_on_ranks(sequence_parallel):
         # backward summed every rank's part
         "input grad": (xin.grad, x.grad[lo:hi] if sequence_parallel else x.grad),
     }
+    return checks, (col, row)
+
+
+def _mlp_on_ranks(sequence_parallel):
+    checks, _ = mlp_checks(sequence_parallel)
     return {k: (a - b).abs().max().item() for k, (a, b) in checks.items()}
 
 
