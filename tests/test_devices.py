@@ -25,12 +25,13 @@ _DEVICE_PROBES = textwrap.dedent(
         (torch.cuda, ["_lazy_init", "is_available", "device_count", "current_stream",
                       "current_device", "set_device", "init"]),
         (torch._C, ["_cuda_init", "_cuda_getDeviceCount"]),
-        (torch.accelerator, ["current_accelerator", "current_stream", "device_count",
-                             "is_available", "current_device_index"]),
+        (getattr(torch, "accelerator", None),  # torch >= 2.6
+         ["current_accelerator", "current_stream", "device_count", "is_available",
+          "current_device_index"]),
         (torch.backends.mps, ["is_available"]),
     ):
         for name in names:
-            if hasattr(owner, name):
+            if owner is not None and hasattr(owner, name):
                 setattr(owner, name, refuse(owner, name))
     """
 )
