@@ -217,7 +217,9 @@ def test_a_pasted_all_gather_on_ranks_is_judged_from_what_the_ranks_sent_out():
 
 # As a notebook's: defined in __main__, so that the check ships them by value, with what
 # they hold (the kit's code objects taken here, before the check; imported by name on the
-# rank they would be taken there, from the disarmed answers)
+# rank they would be taken there, from the disarmed answers). Their copies' builtins are the
+# module: the global __builtins__ is its dict, which would ship by value, and torch < 2.9
+# (pybind11 before 3) keeps an object that cannot pickle in it
 _ATTACKS = {"__name__": "__main__", "ok": ok, "inspect": inspect}
 _ATTACKS_SOURCE = """
 def _renamed(code):
@@ -235,9 +237,10 @@ _COLLECTIVES = {
 }
 
 def fit_renamed_as_a_lambda(sizes, times):
+    import builtins
     import types
     import numpy as np
-    fit = types.FunctionType(_FIT_AS_LAMBDA, {"np": np, "__builtins__": __builtins__})
+    fit = types.FunctionType(_FIT_AS_LAMBDA, {"np": np, "__builtins__": builtins})
     return fit(sizes, times)
 
 def _kit_namespace():
@@ -265,16 +268,18 @@ def _on_a_c_thread(work):
     return out[0]
 
 def fit_copy_on_a_c_thread(sizes, times):
+    import builtins
     import types
     import numpy as np
-    fit = types.FunctionType(_FIT_CODE, {"np": np, "__builtins__": __builtins__})
+    fit = types.FunctionType(_FIT_CODE, {"np": np, "__builtins__": builtins})
     return _on_a_c_thread(lambda: fit(sizes, times))
 
 def fit_copy_handed_over_unrun(sizes, times):
     # only holds the copy (to run it where nothing watches); computes nothing
+    import builtins
     import types
     import numpy as np
-    types.FunctionType(_FIT_CODE, {"np": np, "__builtins__": __builtins__})
+    types.FunctionType(_FIT_CODE, {"np": np, "__builtins__": builtins})
     return (1e-5, 1e-9)
 
 def ring_from_the_kit_on_a_c_thread(tensor):
