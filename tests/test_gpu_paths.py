@@ -348,7 +348,6 @@ def test_cuda_compression_averages_cuda_buckets_as_one_process_does(world):
 # ------------------------------------------------------------------ tensor parallel
 
 
-
 def _mlp_on_ranks(sequence_parallel):
     """tests/test_tensor_parallel.py's MLP on the rank's GPU: the differences from one
     device (the same GPU) in output and every gradient, and where the tensors were."""
