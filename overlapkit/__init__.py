@@ -6,8 +6,6 @@ Conventional import: ``import overlapkit as ok``.
 # before any other kit import: on native Windows the first POSIX-only import would fail
 # without saying what to do (use WSL2); hence the imports below the call
 # ruff: noqa: E402
-import warnings as _warnings
-
 from .machine import refuse_native_windows as _refuse_native_windows
 
 _refuse_native_windows()
@@ -58,17 +56,6 @@ from .p2p import Link
 from .runtime import backend, backends, device, is_main, local_rank, rank, world_size
 from .sharded import ShardedOptimizer
 from .timeline import Span, Timeline
-
-# torch 2.4 warns on every tensor it unpickles (torch.storage._load_from_bytes calls torch.load
-# without weights_only=; 2.5 passes weights_only=False itself): each check's report, each
-# value a rank sends back, would print a FutureWarning in the notebook. Only that call's
-# warning is silenced: torch.load called anywhere else still warns.
-_warnings.filterwarnings(
-    "ignore",
-    message="You are using `torch.load` with `weights_only=False`",
-    category=FutureWarning,
-    module=r"torch\.storage\Z",
-)
 
 __version__ = "0.1.0"
 

@@ -24,9 +24,11 @@ def makefile_recipe(target: str) -> str:
     return m.group(1)
 
 
-def test_torch_is_a_range_not_a_pin():
-    torch = [d for d in PYPROJECT["project"]["dependencies"] if d.startswith("torch")]
-    assert torch == ["torch>=2.4"]
+def test_torch_is_a_range_not_a_pin_and_the_readme_names_its_floor():
+    (torch,) = [d for d in PYPROJECT["project"]["dependencies"] if d.startswith("torch")]
+    floor = re.fullmatch(r"torch>=(\d+\.\d+)", torch)
+    assert floor, torch
+    assert f"**PyTorch {floor.group(1)} or later**" in (ROOT / "README.md").read_text()
 
 
 def test_environment_yml_installs_the_kit_with_its_lab_extras_on_the_same_python():
