@@ -395,7 +395,8 @@ def _pg_send(tensor: torch.Tensor, dst: int, group, tag: int):
     """Start sending through the stream's process group; the user stream uses ``group``,
     CUDA tensors the directed NCCL route of their stream (:mod:`overlapkit.routes`)."""
     namespace = USER if current_op() is None else KIT
-    routes.note("send", namespace, _group_name(group), dist.get_rank(), dst, tensor)
+    if routes.recorded():
+        routes.note("send", namespace, _group_name(group), dist.get_rank(), dst, tensor)
     if tensor.device.type == "cuda":
         pg, peer = routes.directed_group(namespace, _group_name(group), dist.get_rank(), dst)
         return pg.send([tensor], peer, 0)
@@ -408,7 +409,8 @@ def _pg_send(tensor: torch.Tensor, dst: int, group, tag: int):
 
 def _pg_recv(tensor: torch.Tensor, src: int, group, tag: int):
     namespace = USER if current_op() is None else KIT
-    routes.note("recv", namespace, _group_name(group), dist.get_rank(), src, tensor)
+    if routes.recorded():
+        routes.note("recv", namespace, _group_name(group), dist.get_rank(), src, tensor)
     if tensor.device.type == "cuda":
         pg, peer = routes.directed_group(namespace, _group_name(group), src, dist.get_rank())
         return pg.recv([tensor], peer, 0)

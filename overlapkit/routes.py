@@ -94,10 +94,13 @@ def recording():
         _record = previous
 
 
+def recorded() -> bool:
+    """Whether a record is being made (the message path asks before it gathers a note)."""
+    return _record is not None
+
+
 def note(kind: str, namespace: str, group_name: str, me: int, peer: int, tensor) -> None:
-    """Add one posted message to the record, when one is being made."""
-    if _record is None:
-        return
+    """Add one posted message to the record (:func:`recording` is open)."""
     src, dst = (me, peer) if kind == "send" else (peer, me)
     nbytes = tensor.numel() * tensor.element_size()
     _record.append(
