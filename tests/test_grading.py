@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 
@@ -236,6 +237,34 @@ def test_recording_counts_a_kit_message_once_and_restores_everything():
     (sent0, recv0), (sent1, recv1) = ok.launch(send_one, world_size=2, link=ok.Link(10, 1))
     assert sent0 == [(1, 40)] and recv1 == [(0, 40)] and recv0 == [] and sent1 == []
     assert (dist.isend, ok.p2p.isend, ok.ring_all_reduce) == before
+
+
+def test_recording_is_not_called_tampered_by_an_operation_still_running_on_a_thread():
+    # an async op the learner never waited may still note a call from its thread while
+    # the record closes: that is no change to the record. Here the thread is caught
+    # between the record's two copies (its first append holds on) as the record closes.
+    import threading
+
+    halfway = threading.Event()
+
+    class HoldsOn(list):
+        def append(self, value):
+            super().append(value)
+            halfway.set()
+            time.sleep(0.3)
+
+    def one_call():
+        with contextlib.suppress(Exception):  # noted, then refused: no group here
+            dist.all_reduce(None)
+
+    with traffic.recording() as seen:
+        seen.collectives = HoldsOn(seen.collectives)  # the same entries: no change
+        thread = threading.Thread(target=one_call)
+        thread.start()
+        assert halfway.wait(10)
+    thread.join()
+    assert not seen.tampered
+    assert seen.collectives == ["all_reduce"]
 
 
 def test_bytes_check_tells_total_from_per_rank_and_chunk_from_tensor():

@@ -118,9 +118,14 @@ def recording(kit_collectives_are_builtins: bool = True, payloads: bool = False)
     kept = Traffic()
     count_ops, kit_ops = group_ops, p2p.user_stream_ops  # as they are now, not as patched later
 
+    # an operation left running (an async op never waited) may still add from its thread
+    # while the record is compared: both copies change together, never one alone
+    lock = threading.Lock()
+
     def add(field: str, value) -> None:
-        getattr(traffic, field).append(value)
-        getattr(kept, field).append(value)
+        with lock:
+            getattr(traffic, field).append(value)
+            getattr(kept, field).append(value)
 
     def note(name, args, kwargs):
         if name in ("send", "isend"):
@@ -211,11 +216,14 @@ def recording(kit_collectives_are_builtins: bool = True, payloads: bool = False)
         _current.remove(traffic)
         for module, name, original in reversed(patched):
             setattr(module, name, original)
-        for field in ("sent", "received", "collectives", "direct", "timed", "payloads"):
-            seen, mine = getattr(traffic, field), getattr(kept, field)
-            if len(seen) != len(mine) or any(a is not b for a, b in zip(seen, mine, strict=True)):
-                traffic.tampered = True
-                setattr(traffic, field, list(mine))
+        with lock:
+            for field in ("sent", "received", "collectives", "direct", "timed", "payloads"):
+                seen, mine = getattr(traffic, field), getattr(kept, field)
+                if len(seen) != len(mine) or any(
+                    a is not b for a, b in zip(seen, mine, strict=True)
+                ):
+                    traffic.tampered = True
+                    setattr(traffic, field, list(mine))
         # what torch's groups counted beyond the calls seen by name: a group's own
         # allreduce, torch.ops.c10d, … (each named call and each kit message counts one)
         ops = sum(n - before.get(g, 0) for g, n in count_ops().items())
