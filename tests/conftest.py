@@ -102,7 +102,24 @@ def pytest_xdist_make_scheduler(config, log):
     return Scheduler(config, log)
 
 
+#: files of tests that each run a whole notebook, a grader or a subprocess of the kit
+#: (20-90 s each): started first, with the notebooks' nbval cells, so that under
+#: pytest-xdist the short tests fill the workers at the end instead of one long test
+#: running alone there (the scheduler hands scopes out in the order of the items)
+LONG_FIRST = ("test_browser.py", "test_notebooks.py", "test_grade.py", "test_grade_isolation.py",
+              "test_grade_identity.py", "test_grade_layouts.py", "test_cli.py")  # fmt: skip
+
+
+def _start_order(item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    name = path.rsplit("/", 1)[-1]
+    if path.endswith(".ipynb"):
+        return 0
+    return 1 + LONG_FIRST.index(name) if name in LONG_FIRST else 1 + len(LONG_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_start_order)  # stable: within a file, its own order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (run scripts/gpu_check.sh on a GPU machine)")
