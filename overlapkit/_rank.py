@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import importlib
 import io
 import os
 import pickle
@@ -41,7 +42,7 @@ DUMP_SIGNAL = signal.SIGUSR1
 class RankSpec:
     """Everything a rank needs to start; picklable with the standard pickle."""
 
-    payload: bytes  # cloudpickle of (fn, args, kwargs)
+    payload: bytes  # cloudpickle of (fn, args, kwargs, hook)
     world_size: int
     backend: str
     store_path: str
@@ -53,6 +54,7 @@ class RankSpec:
     shm_dir: str | None = None  # where emulated messages' bytes go (overlapkit.shm)
     plain: bool = False  # the caller reads the value as plain data (overlapkit.plaindata)
     private: bytes | None = None  # cloudpickle of this rank's own keyword arguments
+    preload: tuple = ()  # modules the rank must have imported (launcher.PRELOAD)
 
 
 #: a store key per rank that has returned (its peers stop waiting for it to read)
@@ -162,25 +164,19 @@ def error_message(exc: BaseException, pickled: bool = True) -> tuple:
 launched = False
 #: this rank's spec (ok.launch's): where its store and scratch live
 spec_of_this_rank: RankSpec | None = None
-#: True once the rank can no longer reach its store (grading.nofiles): it ends without it
-store_out_of_reach = False
-
+#: the write end of this rank's channel to the caller (:func:`overlapkit.rankhook.channel`)
+channel = None
+#: fn(limit_s) run once the rank's value has been sent (:func:`overlapkit.rankhook.at_end`);
+#: one that returns True has made the rank's store unreachable: the rank ends at once
+at_end: list = []
 
 _keep: list = []  # objects whose destructors must never run
-#: fn(limit_s) called once the rank's result is sent, before it ends (a check's
-#: PeersReturned waits there for its peers: grading.common)
-before_end: list = []
 
 
-#: the write end of this rank's sightings pipe (``launcher.sightings``): a check's watch
-#: writes there what it sees, as it sees it (None outside a launched rank)
-sightings = None
-
-
-def main(spec: RankSpec, rank: int, conn, seen=None) -> None:
+def main(spec: RankSpec, rank: int, conn, heard=None) -> None:
     """Entry point of a rank process (target of the forkserver Process)."""
-    global launched, spec_of_this_rank, sightings
-    launched, spec_of_this_rank, sightings = True, spec, seen
+    global launched, spec_of_this_rank, channel
+    launched, spec_of_this_rank, channel = True, spec, heard
     _die_with_parent()
     _capture_output(log_path(spec.log_dir, rank))
     faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
@@ -205,7 +201,10 @@ def main(spec: RankSpec, rank: int, conn, seen=None) -> None:
     try:
         if "nccl" in spec.backend:  # rank r owns the r-th GPU CUDA_VISIBLE_DEVICES allows
             torch.cuda.set_device(rank)
-        fn, args, kwargs = cloudpickle.loads(spec.payload)
+        for module in spec.preload:  # inherited from the forkserver, or (where it was
+            importlib.import_module(module)  # started before they were asked for) here
+        fn, args, kwargs, hook = cloudpickle.loads(spec.payload)
+        around = contextlib.nullcontext() if hook is None else hook.around()
         if spec.private is not None:
             kwargs = {**kwargs, **cloudpickle.loads(spec.private)}
         store = dist.FileStore(spec.store_path, spec.world_size)
@@ -222,7 +221,8 @@ def main(spec: RankSpec, rank: int, conn, seen=None) -> None:
         dist.barrier()
         p2p.use_shared_memory(spec.shm_dir)
         p2p.set_link(spec.link)
-        value = fn(*args, **kwargs)
+        with around:
+            value = fn(*args, **kwargs)
         handles.report_unwaited()  # an op started and never waited is named, not hidden
         message = ("ok", plaindata.dumps(value) if spec.plain else dumps_result(value))
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
@@ -231,13 +231,13 @@ def main(spec: RankSpec, rank: int, conn, seen=None) -> None:
     _flush_all()
     conn.send_bytes(data)
     conn.close()
-    for fn in before_end:
+    out_of_reach = False
+    for fn in at_end:
         with contextlib.suppress(Exception):
-            fn(spec.timeout_s)
-    if store_out_of_reach:  # a check's rank that can reach no file of the others'
-        # (grading.nofiles): its store cannot be reached either, and destroying the
-        # group would have the FileStore's destructor fail on it (an abort); the
-        # process ends with os._exit, unwinding nothing
+            out_of_reach = bool(fn(spec.timeout_s)) or out_of_reach
+    if out_of_reach:  # the store's files cannot be reached: destroying the group would have
+        # the FileStore's destructor fail on them (an abort); the process ends with
+        # os._exit, unwinding nothing
         _keep.append(store)
         _flush_all()
         return

@@ -31,6 +31,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import importlib
 import io
 import linecache
 import multiprocessing as mp
@@ -51,7 +52,7 @@ import warnings
 import cloudpickle
 import torch.distributed as dist
 
-from . import _rank, handles, machine, p2p, plaindata, runtime
+from . import _rank, handles, machine, p2p, plaindata, rankhook, runtime
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -88,39 +89,61 @@ class RemoteTraceback(Exception):
         return self.text
 
 
-# --------------------------------------------------------------------------- sightings
+# --------------------------------------------------------------------------- channel
 
-#: the longest message a rank's sightings pipe may carry (a code object's marshal)
-SIGHTING_LIMIT = 4 << 20
 _last = threading.local()
 
 
-def sightings() -> tuple[dict[int, list[bytes]], set[int]] | None:
-    """What the ranks of this thread's last :func:`launch` sent on their sightings pipes
-    (by rank, each message's bytes), and the ranks whose pipe carried something else;
-    None when that launch never got its ranks running. A check's watch on a rank
-    (``grading.answers``) writes what it sees there the moment it sees it, so that the
-    check decides from what left the rank, not from what the rank's code said at its end."""
-    return getattr(_last, "sightings", None)
+def heard() -> tuple[dict[int, list[bytes]], set[int]] | None:
+    """What the ranks of this thread's last :func:`launch` sent on their channels
+    (:func:`overlapkit.rankhook.channel`): by rank, each message's bytes, and the ranks
+    whose channel carried something that was not a whole message; None when that launch
+    never got its ranks running."""
+    return getattr(_last, "heard", None)
 
 
 # --------------------------------------------------------------------------- forkserver
 
 _context_lock = threading.Lock()
 _context = None
-#: what the forkserver imports before it forks a rank (the grader's judge starts it early)
+_served: list[str] = []  # what the running forkserver was started with
+#: what the forkserver imports before it forks a rank (:func:`preload` adds to it)
 PRELOAD = ["overlapkit._preload"]
+_in_flight = 0  # launches whose ranks are being started or are running
 
 
-def _forkserver():
-    """The multiprocessing context whose server has torch (and this kit) preloaded."""
-    global _context
+def preload(module: str) -> None:
+    """Have every rank forked from now on inherit ``module`` imported: the forkserver
+    imports it before it forks. A forkserver already running without it is replaced at
+    the next launch that finds no other launch in flight (that launch is cold); until
+    then each rank imports it itself."""
     with _context_lock:
+        if module not in PRELOAD:
+            PRELOAD.append(module)
+
+
+def _forkserver(starting: bool = False):
+    """The multiprocessing context whose server has torch (and :data:`PRELOAD`) loaded.
+    ``starting``: a launch starts its ranks from it (counted until :func:`_landed`)."""
+    global _context, _in_flight
+    with _context_lock:
+        if _context is not None and _served != PRELOAD and _in_flight == 0:
+            shutdown()  # it lacks a module registered since it started
+            _context = None
         if _context is None:
             ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(PRELOAD)
+            ctx.set_forkserver_preload(list(PRELOAD))
+            _served[:] = PRELOAD
             _context = ctx
+        _in_flight += starting
         return _context
+
+
+def _landed() -> None:
+    """A launch counted by ``_forkserver(starting=True)`` has stopped its ranks."""
+    global _in_flight
+    with _context_lock:
+        _in_flight -= 1
 
 
 def shutdown() -> None:
@@ -227,6 +250,7 @@ def launch(
     quiet: bool = False,
     link=None,
     rank_kwargs: list[dict] | None = None,
+    hook=None,
     **kwargs,
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks; return their values by rank.
@@ -241,9 +265,11 @@ def launch(
     discards the ranks' output instead of printing it. ``link`` (an :class:`ok.Link`)
     emulates a network for the kit's point-to-point messages and collectives.
     ``rank_kwargs``: one dict per rank, more keyword arguments for that rank's call only,
-    sent to that rank alone (a check's inputs that no other rank may see).
+    sent to that rank alone (inputs that no other rank may see).
+    ``hook`` (an :class:`overlapkit.RankHook`) adds to the ranks: modules they preload, a
+    context around ``fn``, and what the caller does with what they sent on their channel.
     """
-    _last.sightings = None  # this launch's, never an earlier one's
+    _last.heard = None  # this launch's, never an earlier one's
     if not callable(fn):
         raise TypeError(f"launch() needs a function to run on the ranks, got {type(fn).__name__}")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
@@ -254,14 +280,16 @@ def launch(
         raise ValueError(f"rank_kwargs: one dict per rank ({world_size}), got {len(rank_kwargs)}")
     if _under_torchrun():
         mine = rank_kwargs[int(os.environ["RANK"])] if rank_kwargs is not None else {}
-        return _launch_in_place(fn, args, {**kwargs, **mine}, world_size, backend, link)
+        return _launch_in_place(fn, args, {**kwargs, **mine}, world_size, backend, link, hook)
+    for module in getattr(hook, "preload", ()):
+        preload(module)
 
     backend = runtime.resolve_backend(backend, world_size)
     machine.warn_small_shm(backend)  # NCCL keeps its buffers in /dev/shm: say so before it fails
     if threads is None:
         threads = max(1, runtime.usable_cores() // world_size)
     try:
-        payload = dumps_keeping_filenames((fn, args, kwargs))
+        payload = dumps_keeping_filenames((fn, args, kwargs, hook))
     except Exception as exc:
         raise LaunchError(
             f"could not send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: "
@@ -283,6 +311,7 @@ def launch(
         link=link,
         shm_dir=shm_dir,
         plain=not plaindata.trusting(),
+        preload=tuple(PRELOAD),
     )
     private = None
     if rank_kwargs is not None:
@@ -295,7 +324,7 @@ def launch(
     try:
         ranks.start()
         outcome = ranks.wait(timeout)
-        _last.sightings = (dict(outcome.sightings), set(outcome.garbled))
+        _last.heard = (dict(outcome.heard), set(outcome.garbled))
     except BaseException:  # KeyboardInterrupt from the kernel, above all
         interrupted = True
         raise
@@ -312,6 +341,8 @@ def launch(
         logs = [_strip_dumps(text) for text in logs]
     if not quiet:
         print_rank_output(logs)
+    if hook is not None:
+        hook.heard(dict(outcome.heard), set(outcome.garbled))
     if outcome.timed_out:
         raise _timeout_error(outcome.running, world_size, timeout, stacks)
     if outcome.failure is not None:
@@ -366,9 +397,9 @@ class _Outcome:
         self.running: list[int] = list(range(world))
         self.timed_out = False
         self.plain = False  # the values and errors are read as plain data
-        #: per rank, the messages of its sightings pipe (``sightings()``), and the ranks
-        #: whose pipe carried something that was not a whole message
-        self.sightings: dict[int, list[bytes]] = {r: [] for r in range(world)}
+        #: per rank, the messages of its channel (``heard()``), and the ranks whose channel
+        #: carried something that was not a whole message
+        self.heard: dict[int, list[bytes]] = {r: [] for r in range(world)}
         self.garbled: set[int] = set()
 
     @property
@@ -412,29 +443,31 @@ class _Ranks:
         self.spec, self.private = spec, private
         self.procs: list = []
         self.conns: list = []
-        self.sighting_conns: list = []
+        self.channels: list = []
         self._finished = [False] * spec.world_size
+        self._counted = False
 
     def start(self) -> None:
-        ctx = _forkserver()
+        ctx = _forkserver(starting=True)
+        self._counted = True
         with _start_lock, _ranks_skip_main(), _interrupts_after():
             for r in range(self.spec.world_size):
                 recv, send = ctx.Pipe(duplex=False)
-                # what a check's watch sees on the rank, sent as it is seen (not in the
-                # value the rank returns, which its code could change before it goes)
-                seen_recv, seen_send = ctx.Pipe(duplex=False)
+                # the rank's channel: what it writes there leaves at once, apart from
+                # the value it returns at its end
+                heard_recv, heard_send = ctx.Pipe(duplex=False)
                 # a rank's own keyword arguments go in its spec alone
                 spec = self.spec if self.private is None else (
                     dataclasses.replace(self.spec, private=self.private[r]))  # fmt: skip
                 proc = ctx.Process(
-                    target=_rank.main, args=(spec, r, send, seen_send),
+                    target=_rank.main, args=(spec, r, send, heard_send),
                     name=f"overlapkit-rank{r}",
                 )  # fmt: skip
                 self.conns.append(recv)
-                self.sighting_conns.append(seen_recv)
+                self.channels.append(heard_recv)
                 proc.start()
                 send.close()  # our copy: EOF on recv must mean the rank is gone
-                seen_send.close()
+                heard_send.close()
                 self.procs.append(proc)
 
     def wait(self, timeout: float | None) -> _Outcome:
@@ -443,7 +476,7 @@ class _Ranks:
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = {self.conns[r]: r for r in range(len(self.procs))}
         # read as they come: a rank that sees much must not block on a full pipe
-        seeing = {self.sighting_conns[r]: r for r in range(len(self.procs))}
+        seeing = {self.channels[r]: r for r in range(len(self.procs))}
         while pending:
             remaining = None if deadline is None else deadline - time.monotonic()
             if out.errors:
@@ -461,13 +494,13 @@ class _Ranks:
             ready = mp.connection.wait([*pending, *seeing], timeout=step)
             for conn in ready:
                 if conn in seeing:
-                    self._sighting(conn, seeing, out)
+                    self._hear(conn, seeing, out)
                 else:
                     self._receive(conn, pending.pop(conn), out)
         # what a rank saw before it sent its value is in its pipe by now
         for conn in list(seeing):
             while conn in seeing and conn.poll(0):
-                self._sighting(conn, seeing, out)
+                self._hear(conn, seeing, out)
         out.running = sorted(pending.values())
         if out.timed_out and out.running:
             # ask for the stacks before the kill; ranks still running after a
@@ -477,13 +510,13 @@ class _Ranks:
         return out
 
     @staticmethod
-    def _sighting(conn, seeing: dict, out: _Outcome) -> None:
+    def _hear(conn, seeing: dict, out: _Outcome) -> None:
         rank = seeing[conn]
         try:
-            out.sightings[rank].append(conn.recv_bytes(SIGHTING_LIMIT))
+            out.heard[rank].append(conn.recv_bytes(rankhook.CHANNEL_LIMIT))
         except EOFError:  # the rank has ended: nothing more comes
             del seeing[conn]
-        except OSError:  # a message cut short or too long: not the watch's writing
+        except OSError:  # a message cut short or too long
             out.garbled.add(rank)
             del seeing[conn]
 
@@ -522,8 +555,11 @@ class _Ranks:
             p.join(5.0)
             with contextlib.suppress(ValueError):
                 p.close()
-        for c in self.conns + self.sighting_conns:
+        for c in self.conns + self.channels:
             c.close()
+        if self._counted:
+            self._counted = False
+            _landed()
 
     def dump_stacks(self, ranks: list[int]) -> None:
         """Ask hung ranks to write their Python stacks to their logs (faulthandler)."""
@@ -748,7 +784,7 @@ def _destroy_group() -> None:
             dist.destroy_process_group()
 
 
-def _launch_in_place(fn, args, kwargs, world_size, backend, link=None):
+def _launch_in_place(fn, args, kwargs, world_size, backend, link=None, hook=None):
     """Under torchrun this process *is* a rank: run here, all-gather the values."""
     world = int(os.environ["WORLD_SIZE"])
     if world != world_size:
@@ -769,8 +805,13 @@ def _launch_in_place(fn, args, kwargs, world_size, backend, link=None):
         # interpreter does, or a still-running gloo thread can abort the exit
         atexit.register(_destroy_group)
     p2p.set_link(link)
-    value = fn(*args, **kwargs)
+    for module in getattr(hook, "preload", ()):
+        importlib.import_module(module)
+    with contextlib.nullcontext() if hook is None else hook.around():
+        value = fn(*args, **kwargs)
     handles.report_unwaited()
+    if hook is not None:  # no channel here: this process is the rank
+        hook.heard({}, set())
     values = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
     return values

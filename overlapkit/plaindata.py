@@ -12,13 +12,14 @@ print a verdict there. Under :func:`distrust`, therefore:
   bytes and numbers only;
 * the value inside is written with ``torch.save`` and read with PyTorch's weights-only
   loader (its safety is PyTorch's to keep): tensors, numbers, strings, lists, tuples,
-  dicts, None, and the few kit records listed in :data:`RECORDS` — no other class, so
-  not a ``float`` subclass whose ``__sub__`` always agrees either;
-* an exception is rebuilt from its type's name, among the built-in exceptions and the
-  kit's own (:func:`rebuild_exception`), with the rank's text; never unpickled.
+  dicts, None, and the data-only classes registered with :func:`allow` — no other class,
+  so not a ``float`` subclass whose ``__sub__`` always agrees either;
+* an exception is rebuilt from its type's name, among the built-in exceptions, the
+  launcher's and the ones registered with :func:`allow` (:func:`rebuild_exception`),
+  with the rank's text; never unpickled.
 
 What this does not cover: code that runs as the same user can still change files and
-other processes of that user; see ``overlapkit.grade`` for the grader's whole model.
+other processes of that user.
 """
 
 from __future__ import annotations
@@ -87,12 +88,22 @@ def _map(value, fn):
     return fn(value)
 
 
+_allowed: list[type] = []
+
+
+def allow(cls: type) -> type:
+    """Let plain data hold ``cls``: a record class (no method of its runs on load), or an
+    exception type rebuilt from its name and text. Usable as a class decorator."""
+    if cls not in _allowed:
+        _allowed.append(cls)
+    return cls
+
+
 def _records() -> list:
-    """Kit classes a rank's value may hold (data only: no method of theirs runs on load)."""
-    from .grading.traffic import Traffic  # noqa: PLC0415
+    """The classes a rank's value may hold besides plain data."""
     from .timeline import Span, Timeline  # noqa: PLC0415
 
-    return [Timeline, Span, Traffic]
+    return [Timeline, Span, *(c for c in _allowed if not issubclass(c, BaseException))]
 
 
 def loads(data: bytes):
@@ -123,14 +134,14 @@ def message(data: bytes):
 
 def _exception_types() -> dict[str, type]:
     from . import inflight, launcher  # noqa: PLC0415
-    from .grading import answers  # noqa: PLC0415 - a check's verdict, raised on a rank
 
     found = {
         name: obj
         for name, obj in vars(builtins).items()
         if isinstance(obj, type) and issubclass(obj, Exception)
     }
-    for module in (launcher, inflight, answers):
+    found.update({c.__name__: c for c in _allowed if issubclass(c, Exception)})
+    for module in (launcher, inflight):
         for name, obj in vars(module).items():
             if (
                 isinstance(obj, type)

@@ -16,9 +16,8 @@ INFRASTRUCTURE = ("multiprocessing.forkserver", "multiprocessing.resource_tracke
 # A check's ranks unpickle a test's function by reference, so each one imported this
 # package (pytest, psutil, this file) before the call: ~0.5 s of a core per rank, thousands
 # of ranks a run. The forkserver imports them once, and every rank it forks has them.
-launcher.PRELOAD.extend(
-    m for m in ("pytest", "psutil", "tests.conftest") if m not in launcher.PRELOAD
-)
+for _module in ("pytest", "psutil", "tests.conftest"):
+    launcher.preload(_module)
 
 
 def _execd_cmdline(root: psutil.Process, child: psutil.Process, limit_s: float = 2.0) -> list[str]:

@@ -1,6 +1,6 @@
 """The check decides what ran from what left the rank: a rank's watch sends each sighting
-out the moment it sees it (``launcher.sightings``), and the check judges copies of the
-kit's answers itself. Whatever the rank's code does afterwards to its own report (the
+out the moment it sees it (on the rank's channel, ``launcher.heard``), and the check judges
+copies of the kit's answers itself. Whatever the rank's code does afterwards to its own report (the
 builtins its end uses, the lists it returns), or to the watch (its frame, its generator,
 its pipe), it cannot take back what was sent; what cuts the watch off ends the process."""
 
@@ -112,25 +112,25 @@ def sends_the_watch_a_fake_frame(sizes, times):
 
 
 def replaces_the_watchs_pipe(sizes, times):
-    from overlapkit import _rank
+    from overlapkit import rankhook
 
-    fd = _rank.sightings.fileno()
+    fd = rankhook.channel().fileno()
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, fd)
     return pasted(sizes, times)
 
 
 def closes_the_watchs_pipe(sizes, times):
-    from overlapkit import _rank
+    from overlapkit import rankhook
 
-    os.close(_rank.sightings.fileno())
+    os.close(rankhook.channel().fileno())
     return pasted(sizes, times)
 
 
 def writes_junk_into_the_watchs_pipe(sizes, times):
-    from overlapkit import _rank
+    from overlapkit import rankhook
 
-    os.write(_rank.sightings.fileno(), b"\x00\x00\x00\x05\x09\x00\x00\x00\x00")
+    os.write(rankhook.channel().fileno(), b"\x00\x00\x00\x05\x09\x00\x00\x00\x00")
     return pasted(sizes, times)
 
 

@@ -68,7 +68,7 @@ import multiprocessing
 from multiprocessing import forkserver
 # (torch's warm-up in it only where the check's ranks build an optimizer: judge.LIGHT)
 light = sys.argv[2] in @LIGHT@
-preload = ["overlapkit._rank"] if light else @PRELOAD@
+preload = ["overlapkit._rank"] if light else @PRELOAD@  # the ranks import the rest
 if light:  # and not in each of its ranks either (they inherit this environment)
     os.environ[@SKIP@] = "1"
 multiprocessing.get_context("forkserver").set_forkserver_preload(preload)

@@ -32,7 +32,8 @@ torch process group itself (``group.allreduce``, also on a group made outside to
 registry, which no sequence number counts).
 
 On a check's rank the verdict is not the rank's to give. The watch sends what it sees out
-of the process the moment it sees it, on the rank's sightings pipe (``launcher.sightings``)::
+of the process the moment it sees it, on the rank's channel to the caller
+(``overlapkit.rankhook.channel``)::
 
     rank: learner's call ──► watch (profile fn) ──► pipe ──► check: which answers ran?
            an answer by identity: its name      ─┘           judged here, from the pipe:
@@ -424,7 +425,7 @@ def _trusted() -> frozenset[int]:
 #: replaced) or was interfered with (its generator closed or thrown into): no verdict
 #: about that rank can be trusted, so the check fails
 CUT = 87
-#: what a rank's watch sends on its sightings pipe (``launcher.sightings``): a watch's
+#: what a rank's watch sends on the rank's channel (``launcher.heard``): a watch's
 #: start (before the learner's code runs), an answer seen by identity, or a code object
 #: that may be an answer's copy, for the check to judge outside the rank
 START, NOTE, CODE = 0, 1, 2
@@ -437,11 +438,12 @@ _numbers = itertools.count()
 
 
 def _sightings_pipe():
-    """(fd, identity) of this rank's sightings pipe; None outside a launched rank."""
-    from .. import _rank  # noqa: PLC0415
+    """(fd, identity) of this rank's channel, where its watches write their sightings;
+    None outside a launched rank."""
+    from .. import rankhook  # noqa: PLC0415
 
-    conn = _rank.sightings
-    if conn is None or conn.closed:
+    conn = rankhook.channel()
+    if conn is None:
         return None
     st = os.fstat(conn.fileno())
     return conn.fileno(), (st.st_dev, st.st_ino)
@@ -560,7 +562,7 @@ def _watch(codes: dict, ran: list, before, counter):
     (``answers._copy_of``, ``builtins.len``) may be rebound meanwhile, not these. A
     generator interfered with (closed, thrown into, sent what is not an event) ends the
     process (:data:`CUT`)."""
-    from .. import _rank  # noqa: PLC0415
+    from .. import rankhook  # noqa: PLC0415
 
     labels_by_id = {id(code): label for code, label in codes.items()}
     sizes, shapes = _prefilter(codes)
@@ -571,8 +573,8 @@ def _watch(codes: dict, ran: list, before, counter):
     # (whose own calls after the check's function returned are the rank's tail) and the
     # flush that ends the tail just before the rank's value leaves
     between = frozenset(id(code) for code in _BETWEEN_BLOCKS)
-    marks = (sys._getframe(1), running.__wrapped__.__code__, _rank.main.__code__,
-             _rank._flush_all.__code__, between)  # fmt: skip
+    marks = (sys._getframe(1), running.__wrapped__.__code__, *rankhook.launcher_code(),
+             between)  # fmt: skip
     state = _judge(
         labels_by_id, frozenset(labels_by_id), sizes, shapes, _trusted(), _group_ops(), ran,
         before, counter.__next__, send, library()[0],
@@ -828,7 +830,7 @@ def hide(obj) -> None:
 
 def seen_by_watches(messages: list[bytes], garbled: bool, requested: list) -> list[list[str]]:
     """What each of a rank's watches saw, judged here from what it sent out on the rank's
-    sightings pipe (``launcher.sightings``): ``requested``, the answers' names of each watch
+    channel (``launcher.heard``): ``requested``, the answers' names of each watch
     the check made on the rank, in the order it made them. An answer seen by identity is
     named by the rank; a code object sent out is named here when it is an answer's copy
     (compiled anew, or edited). A message that is not the watch's, or a pipe that carried
@@ -1059,6 +1061,7 @@ def running(names):
         # _judge: code of the learner's that runs after its call is noted)
 
 
+@plaindata.allow  # raised on a rank, rebuilt by name in the caller
 class AnswerRan(RuntimeError):
     """A rank ran the kit's own answer during the learner's function (one text argument,
     so that it travels back from a rank like any exception)."""

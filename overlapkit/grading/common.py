@@ -297,9 +297,9 @@ class PeersReturned:
         self._sends: list = []  # kept until the process ends: a send's buffer must live
         # this rank's process stays until every peer has returned (or is gone): one that
         # ended first would close its connections under a peer still to post its counts
-        from .. import _rank  # noqa: PLC0415
+        from .. import rankhook  # noqa: PLC0415
 
-        _rank.before_end.append(self.linger)
+        rankhook.at_end(self.linger)
 
     def post(self, rank: int, counts) -> None:
         import torch  # noqa: PLC0415

@@ -144,17 +144,17 @@ def seal_rank_files() -> bool:
     hide the launcher's folder (the store, the logs, the other ranks' scratch), and allow
     writing only in a scratch folder of this rank's own and, where an emulated link is on,
     in the link's shared-memory folder (its data path). True when in place; then the rank
-    ends without its store (``_rank.store_out_of_reach``)."""
+    ends without its store (:func:`overlapkit.rankhook.at_end`)."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    from .. import _rank, p2p  # noqa: PLC0415
+    from .. import p2p, rankhook  # noqa: PLC0415
 
-    spec = _rank.spec_of_this_rank
-    if not _rank.launched or spec is None or not dist.is_initialized():
+    spec = rankhook.this_rank()
+    if spec is None or not dist.is_initialized():
         return False
     if dist.get_backend() != "gloo" or abi() < 1:
         return False
-    workdir = os.path.dirname(spec.store_path)
+    workdir = spec.workdir
     scratch = scratch_folder(workdir, dist.get_rank())
     # an emulated link's bytes go through files both ranks write (overlapkit.shm): that
     # folder stays open where a link is on. Through the process group instead, a send and
@@ -167,5 +167,5 @@ def seal_rank_files() -> bool:
         hidden.append(spec.shm_dir)
     if not forbid_shared_files(hidden, writable):
         return False
-    _rank.store_out_of_reach = True
+    rankhook.at_end(lambda limit_s: True)  # the store is out of reach: end without it
     return True

@@ -68,12 +68,13 @@ def forbid_new_sockets(no_exec: bool = False) -> bool:
     when the filter is in place."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    from .. import _rank  # noqa: PLC0415
+    from .. import rankhook  # noqa: PLC0415
 
     numbers = _ARCHES.get(platform.machine())
     if numbers is None or os.name != "posix" or not dist.is_initialized():
         return False
-    if not _rank.launched:  # irrevocable: only in a rank process that ends after the check,
+    # irrevocable: only in a rank process that ends after the check,
+    if rankhook.this_rank() is None:
         return False  # never in a torchrun worker running the check in place
     if dist.get_backend() != "gloo":
         return False

@@ -153,12 +153,12 @@ def call(fn, *args, timeout: float = CALL_TIMEOUT_S, **kwargs):
 
 
 def _record(watched: list, reported) -> None:
-    from ..launcher import sightings  # noqa: PLC0415
+    from ..launcher import heard  # noqa: PLC0415
     from . import answers  # noqa: PLC0415
 
     said = _as_lists(reported, len(watched))
     answers_watched = [what[1] for what, _ in watched if what[0] == "answers" and what[1]]
-    sent = sightings()
+    sent = heard()
     if sent is None:
         seen = [[] for _ in answers_watched]
     else:

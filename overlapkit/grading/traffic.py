@@ -20,7 +20,7 @@ import cloudpickle
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from .. import p2p
+from .. import p2p, plaindata
 from ..inflight import debug_races
 from ..launcher import hide_frames_from
 from . import answers, nofiles, nosockets, sealed
@@ -52,6 +52,7 @@ KIT_COLLECTIVES = (
 )
 
 
+@plaindata.allow  # a rank returns it; data only
 @dataclass
 class Traffic:
     """Messages of one rank: (peer, bytes) pairs, and the built-in collectives it called."""
@@ -346,7 +347,7 @@ def run_recorded(fn, *args, world_size: int, timeout: float, link=None, forbid=(
     ``link``: an ``ok.Link`` for the run's ok.p2p messages (checks use one that costs
     nothing, for its headers: a send and a receive that disagree are an error there,
     not a crash of the process)."""
-    from ..launcher import dumps_keeping_filenames, launch, sightings  # noqa: PLC0415
+    from ..launcher import dumps_keeping_filenames, heard, launch  # noqa: PLC0415
 
     # the ranks' own prints would make check output vary from run to run
     try:
@@ -363,9 +364,9 @@ def run_recorded(fn, *args, world_size: int, timeout: float, link=None, forbid=(
             rank_kwargs=rank_kwargs,
         )
     except Exception as exc:
-        _judge_sightings(world_size, forbid, sightings(), exc)
+        _judge_sightings(world_size, forbid, heard(), exc)
         raise
-    _judge_sightings(world_size, forbid, sightings(), None)
+    _judge_sightings(world_size, forbid, heard(), None)
     return results
 
 
