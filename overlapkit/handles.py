@@ -90,7 +90,7 @@ class Tracked:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until done; raise its failure; TimeoutError after ``timeout`` seconds."""
         call = self._plain_wait
-        # a check's probes (wrap_wait), outermost last: here, in the class, a wait is seen
+        # the observers' wrappers (wrap_wait), outermost last: here, in the class, a wait is seen
         # however it was called (handle.wait(), type(handle).wait(handle), wait_all)
         for wrapper in _wrappers.get(self, ()):
             call = functools.partial(wrapper, call)
@@ -115,14 +115,15 @@ class Tracked:
                 _unwaited.pop(id(self), None)
 
 
-#: each handle's wait wrappers (a check's probes), kept beside the handle, not on it
+#: each handle's wait wrappers (wrap_wait), kept beside the handle, not on it
 _wrappers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def wrap_wait(handle: Tracked, wrapper) -> Tracked:
     """Run ``wrapper(wait, timeout)`` for every wait of ``handle`` instead of ``wait(timeout)``
     itself, however the wait is called (``handle.wait()``, ``type(handle).wait(handle)``,
-    ``ok.p2p.wait_all``): how a check observes waits. Returns ``handle``."""
+    ``ok.p2p.wait_all``): how a tool or a test observes when, and how long, a handle is
+    waited. Returns ``handle``."""
     if not isinstance(handle, Tracked):
         raise TypeError(f"wrap_wait: not a kit handle: {type(handle).__name__}")
     _wrappers.setdefault(handle, []).append(wrapper)
@@ -163,7 +164,8 @@ def report_unwaited(grace_s: float = 5.0) -> None:
 
 
 def take_unwaited() -> list[str]:
-    """Describe and stop tracking the handles not waited so far (for a check to report)."""
+    """Describe and stop tracking the handles not waited so far, for a caller that reports
+    them itself (instead of the warnings at the rank's end, :func:`report_unwaited`)."""
     with _lock:
         left = list(_unwaited.values())
         _unwaited.clear()

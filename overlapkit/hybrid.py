@@ -178,10 +178,10 @@ class HybridStage:
         * ``"finish"``: wait for every AllReduce; the averages land in ``.grad``.
 
         Every backward accumulates into ``.grad``; a bucket reduced before a later backward
-        misses that backward's gradient (and the plan check says so). ``timeline``: compute
+        misses that backward's gradient (and :func:`parse_plan` says so). ``timeline``: compute
         spans, the pipeline's transfers on lane ``"comm pp"`` and the AllReduces on
         ``"comm dp"``."""
-        steps, after = _parse_plan(plan, self.actions(micro_batches, schedule), len(self.buckets))
+        steps, after = parse_plan(plan, self.actions(micro_batches, schedule), len(self.buckets))
         pp_tl = None if timeline is None else Timeline(runtime.rank())
         run = _Reductions(self, timeline)
 
@@ -295,9 +295,11 @@ def _flush(mesh: Mesh, timeout_s: float = 60.0) -> None:
         dist.barrier(group=mesh.pp_group)
 
 
-def _parse_plan(plan, actions: list[str], buckets: int):
-    """(per pipeline action: (its text, launches as ready?), per pipeline action: the
-    events after it), or PlanError naming the first action that cannot run."""
+def parse_plan(plan, actions: list[str], buckets: int):
+    """A step's plan read against the pipeline's ``actions`` (in schedule order) and the
+    number of gradient ``buckets``: (per pipeline action: (its text, launches AllReduces
+    as ready?), per pipeline action: the events after it), or PlanError naming the first
+    action that cannot run."""
     if isinstance(plan, str) or not hasattr(plan, "__iter__"):
         raise PlanError(f"a plan is a list of actions (strings), not {type(plan).__name__}")
     steps, after, reduced, finished = [], [], set(), False

@@ -18,7 +18,7 @@ race that "works" nine runs in ten is still wrong. The kit makes both show::
   A slice of a larger buffer shares its counter with the rest of the buffer,
   so a write elsewhere in it (the next bucket's gradients) looks the same:
   slices are judged by the read guard below, by their content.
-* **Reads**, under :func:`debug_races` (the checks turn it on): the op works
+* **Reads**, under :func:`debug_races`: the op works
   on a private copy and the caller's tensor holds a poison value (a
   signalling NaN; the smallest integer for integer tensors) until ``wait()``
   (or an ``is_completed()`` that returns True) writes the result back. A
@@ -238,7 +238,7 @@ class Guard:
         self.error: str | None = None
         self._settled = False
         self._settling = threading.Lock()
-        #: seconds the private copies took to make and write back (a timing check allows
+        #: seconds the private copies took to make and write back (a timing measurement allows
         #: for them: they are the guard's, not the operation's)
         self.copy_s = self.copy_back_s = 0.0
         if self.private:

@@ -2,15 +2,13 @@
 
 A torch optimizer's first ``step()`` imports ``torch._dynamo`` (and with it sympy and
 parts of inductor: some 900 modules, ~2.5 s of one core). Paid inside every rank of
-every launch, that is seconds per launch on a 2-core laptop; paid under the grading
-watch (a profile function sees every call), it took over 30 s beside a CPU hog. So the
-forkserver that forks the ranks does it once (its preload, ``overlapkit._preload``, calls
-:func:`warm_torch`; the ranks inherit it), and a check's own process does it before it
-starts a watch where the learner's code may run in it (not in the grader's judge).
+every launch, that is seconds per launch on a 2-core laptop, and far more under a
+profile function that sees every call. So the forkserver that forks the ranks does it
+once (its preload, ``overlapkit._preload``, calls :func:`warm_torch`; the ranks inherit
+it); a process that will run such a step under a profile function can call it first.
 
-A judge whose check builds no optimizer on its ranks (``overlapkit.grade.judge.LIGHT``)
-sets ``OVERLAPKIT_NO_WARMUP``: its ranks then skip the warm-up too (each call of a
-single-process exercise runs on a rank of its own: 2.5 s each, 13 s for one check).
+A caller whose ranks build no optimizer sets ``OVERLAPKIT_NO_WARMUP``: its forkserver
+and ranks then skip the warm-up (2.5 s of a core saved per forkserver).
 """
 
 from __future__ import annotations

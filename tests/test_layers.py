@@ -63,7 +63,8 @@ def loaded():
 print("plain ranks:", ok.launch(loaded, world_size=2, quiet=True))
 ok.grading  # the checks, first used
 print("after use:", sorted(m for m in sys.modules if m == "overlapkit.grading"))
-print("checks' ranks:", ["overlapkit.grading.preload" in m for m in ok.launch(loaded, world_size=2, quiet=True)])
+values = ok.launch(loaded, world_size=2, quiet=True)
+print("checks' ranks:", ["overlapkit.grading.preload" in m for m in values])
 """
 
 

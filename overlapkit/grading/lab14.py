@@ -243,13 +243,13 @@ def check_hybrid_plan(hybrid_plan, timeout: float = 30.0) -> Report:
 def judge_plan(plan, actions: list[str], stage: int, buckets: int) -> str | None:
     """The first broken rule of ``plan`` for a stage with these pipeline ``actions`` and
     ``buckets``, in words, or None."""
-    from ..hybrid import PlanError, _parse_plan  # noqa: PLC0415
+    from ..hybrid import PlanError, parse_plan  # noqa: PLC0415
 
     early = _reduced_early(plan, actions)
     if early is not None:
         return early
     try:
-        steps, after = _parse_plan(plan, actions, buckets)
+        steps, after = parse_plan(plan, actions, buckets)
     except PlanError as exc:
         return str(exc)
     last = max(i for i, (text, _) in enumerate(steps) if text.startswith("B"))
