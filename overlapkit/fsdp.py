@@ -39,6 +39,11 @@ run the same units in the same order (as in FSDP: the collectives match by order
 holds one dtype, trainable or frozen throughout; a parameter belongs to one unit (one
 shared by two is refused); parameters outside every unit form the root unit, whole from the
 wrapper's forward to the end of backward, as ``fully_shard`` on the root does.
+
+The wrapper and its schedule of gathers and ReduceScatters live here; what a unit is (its
+parameters as one flat buffer, a shard per rank) in :mod:`overlapkit.fsdp_units`, a step
+run as a plan of actions (lab 12) in :mod:`overlapkit.fsdp_plan`, whose ``PlanError`` is
+re-exported from here.
 """
 
 from __future__ import annotations
@@ -52,59 +57,12 @@ import torch.distributed as dist
 from . import handles
 from .builtin import _Averaged, all_gather_tensor, reduce_scatter_tensor
 from .collectives import ring_all_gather, ring_reduce_scatter
-from .ddp import _own_group, _tensors
+from .ddp import _tensors
+from .ddp_reduce import _own_group
+from .fsdp_plan import PlanError, _run_plan, _state
+from .fsdp_units import _make_units, _resolve_units, _Unit
 
 PREFETCH = ("none", "implicit", "explicit")
-
-
-class _Unit:
-    """One unit's parameters: a flat shard per rank, and the whole (when gathered) as a
-    flat buffer whose views stand in the modules where the parameters were."""
-
-    def __init__(self, index: int, name: str, module, slots, world: int, rank: int):
-        self.index, self.name, self.module = index, name, module
-        self.names = [names for _, names, _ in slots]  # a tied parameter has several
-        params = [p for p, _, _ in slots]
-        self.shapes = [p.shape for p in params]
-        self.numels = [p.numel() for p in params]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
-        total = sum(self.numels)
-        self.shard_numel = -(-total // world)  # ceil: the last shard is padded with zeros
-        self.padded = self.shard_numel * world
-        first = params[0]
-        self.trainable = first.requires_grad
-        self.element_size = first.element_size()
-        self.full = torch.zeros(self.padded, dtype=first.dtype, device=first.device)
-        with torch.no_grad():
-            for p, o, n in zip(params, self.offsets, self.numels, strict=True):
-                self.full[o : o + n].copy_(p.reshape(-1))
-        self.rank = rank
-        self.shard = None  # made after the broadcast
-        # the leaves autograd sees: views of the flat buffer, each its own leaf (so each
-        # gets its own .grad). `.data` gives them a version counter apart from the buffer's:
-        # refilling the buffer before backward is not an in-place change autograd objects to
-        alias = self.full.data
-        spans = zip(self.offsets, self.numels, self.shapes, strict=True)
-        self.leaves = [alias[o : o + n].view(s).requires_grad_(self.trainable)
-                       for o, n, s in spans]  # fmt: skip
-        self.owners = [owners for _, _, owners in slots]
-        self.gathered = True
-        self.counted = False  # its whole bytes are in the wrapper's count of what is held
-        self.pending = None  # the AllGather in flight
-        self.ready = 0  # leaves whose gradient is complete this backward
-        self.complete = False
-        self.launched = False
-        self.backward_started = False
-
-    @property
-    def bytes(self) -> int:
-        return self.padded * self.element_size
-
-    def make_shard(self) -> torch.nn.Parameter:
-        lo = self.rank * self.shard_numel
-        self.shard = torch.nn.Parameter(self.full[lo : lo + self.shard_numel].clone(),
-                                        requires_grad=self.trainable)  # fmt: skip
-        return self.shard
 
 
 class FullyShardedDP(torch.nn.Module):
@@ -148,8 +106,8 @@ class FullyShardedDP(torch.nn.Module):
         self._root0 = dist.get_global_rank(ag_group, 0) if group is not None else 0
         self._ag_group = ag_group
 
-        unit_modules = self._resolve_units(units)
-        self.units = self._make_units(unit_modules)
+        unit_modules = _resolve_units(module, units)
+        self.units = _make_units(module, unit_modules, self.world, self.rank)
         self._broadcast_and_shard()
         self.shards = torch.nn.ParameterList([u.shard for u in self.units])
         self._hooks = []
@@ -172,97 +130,6 @@ class FullyShardedDP(torch.nn.Module):
         self._peak = {"gathered": 0, "gradients": 0, "together": 0}
 
     # ------------------------------------------------------------ construction
-    def _resolve_units(self, units) -> list:
-        inner = dict(self.module.named_modules())
-        by_id = {id(m): n for n, m in inner.items()}
-        if units is None:
-            units = [m for _, m in self.module.named_children()
-                     if next(m.parameters(), None) is not None]  # fmt: skip
-        resolved = []
-        for i, u in enumerate(units):
-            if isinstance(u, str):
-                if u not in inner or u == "":
-                    raise ValueError(
-                        f"FullyShardedDP: unit #{i} {u!r} names no submodule of the model; "
-                        f"its submodules: {', '.join(repr(n) for n in inner if n)[:300]}"
-                    )
-                u = inner[u]
-            if not isinstance(u, torch.nn.Module) or id(u) not in by_id:
-                raise ValueError(
-                    f"FullyShardedDP: unit #{i} ({type(u).__name__}) is not a submodule of the "
-                    "model being wrapped: pass modules from inside it (or their names)"
-                )
-            if u is self.module:
-                raise ValueError(
-                    "FullyShardedDP: the whole model cannot be a unit: its parameters outside "
-                    "every unit already form the root unit; pass its blocks"
-                )
-            if type(u).forward is torch.nn.Module.forward:  # ModuleList, ModuleDict
-                raise ValueError(
-                    f"FullyShardedDP: unit {by_id[id(u)]!r} is a {type(u).__name__}, which is "
-                    "never called: its hooks would not run and its parameters would be used "
-                    "without being gathered. Make each module it holds a unit, or wrap them "
-                    "in one module whose forward calls them"
-                )
-            resolved.append((by_id[id(u)], u))
-        return resolved
-
-    def _make_units(self, unit_modules) -> list[_Unit]:
-        """Every parameter to the one unit whose subtree owns it (else the root unit)."""
-        owner_unit = {}
-        for name, m in unit_modules:
-            for sub in m.modules():
-                if id(sub) in owner_unit and owner_unit[id(sub)] != name:
-                    raise ValueError(
-                        f"FullyShardedDP: units {owner_unit[id(sub)]!r} and {name!r} overlap "
-                        "(one is inside the other): each parameter belongs to one unit"
-                    )
-                owner_unit[id(sub)] = name
-        found: dict[int, list] = {}  # id(param) -> [param, [names], [(module, attr)], unit]
-        for mname, m in self.module.named_modules():
-            for attr, p in list(m._parameters.items()):
-                if p is None:
-                    continue
-                full = f"{mname}.{attr}" if mname else attr
-                unit = owner_unit.get(id(m), "")
-                entry = found.setdefault(id(p), [p, [], [], unit])
-                if entry[3] != unit:
-                    raise ValueError(
-                        f"FullyShardedDP: parameter {entry[1][0]!r} is also {full!r}, in unit "
-                        f"{unit or '(root)'!r} as well as {entry[3] or '(root)'!r}: a parameter "
-                        "shared by two units would be gathered and reduced twice; put both "
-                        "users in one unit"
-                    )
-                entry[1].append(full)
-                entry[2].append((m, attr))
-        groups: dict[str, list] = {name: [] for name, _ in unit_modules}
-        groups[""] = []
-        for p, names, owners, unit in found.values():
-            groups[unit].append((p, names, owners))
-        units = []
-        modules = dict(unit_modules)
-        for name, slots in groups.items():
-            if not slots:
-                continue
-            kinds = {(p.dtype, p.requires_grad) for p, _, _ in slots}
-            if len(kinds) > 1:
-                described = ", ".join(f"{n[0]} ({str(p.dtype).replace('torch.', '')}, "
-                                      f"{'trainable' if p.requires_grad else 'frozen'})"
-                                      for p, n, _ in slots)  # fmt: skip
-                raise ValueError(
-                    f"FullyShardedDP: unit {name or '(root)'!r} mixes dtypes or frozen and "
-                    f"trainable parameters: {described[:400]}. A unit is one flat buffer of one "
-                    "dtype, all trained or all frozen: split it into units"
-                )
-            units.append(_Unit(len(units), name or "(root)", modules.get(name), slots,
-                               self.world, self.rank))  # fmt: skip
-        for u in units:  # the modules now hold views of the unit's buffer, not parameters
-            for leaf, owners in zip(u.leaves, u.owners, strict=True):
-                for m, attr in owners:
-                    del m._parameters[attr]
-                    setattr(m, attr, leaf)
-        return units
-
     @torch.no_grad()
     def _broadcast_and_shard(self) -> None:
         for u in self.units:
@@ -498,7 +365,6 @@ class FullyShardedDP(torch.nn.Module):
         self._reducing = []
         self._state = "idle"
 
-    # ------------------------------------------------------------ a step as a plan
     def run_plan(self, plan, x, target, loss_fn) -> float:
         """Run one training step as ``plan`` says, action by action (lab 12), for a model
         whose units run one after another (``torch.nn.Sequential`` of the units)::
@@ -511,66 +377,7 @@ class FullyShardedDP(torch.nn.Module):
         Nothing is gathered, freed or reduced but where the plan says. A plan that uses a
         unit that is not whole raises :class:`PlanError` naming the action. Returns the
         loss of this rank's batch."""
-        n = len(self.units)
-        if any(u.module is None for u in self.units) or [u.module for u in self.units] != list(
-            self.module.children()
-        ):
-            raise ValueError(
-                "run_plan runs a model that is a Sequential of its units only (every "
-                "parameter in a unit, the units in order)"
-            )
-        self._ran, self._manual, self._in_forward = [], True, True
-        self._state = "plan"
-        for u in self.units:
-            u.ready, u.complete, u.launched, u.backward_started = 0, False, False, False
-        inputs, outputs, grads, loss = {}, {}, {}, None
-        try:
-            for i, action in enumerate(plan, start=1):
-                op, k = _parse_action(action, n, i)
-                u = self.units[k] if k is not None else None
-                try:
-                    if op == "gather":
-                        self._issue(u)
-                    elif op == "wait":
-                        self._wait(u)
-                    elif op == "free":
-                        self._free(u)
-                    elif op == "forward":
-                        if k > 0 and k - 1 not in outputs:
-                            raise PlanError(f"forward {k - 1} has not run: it makes the input")
-                        h = x if k == 0 else outputs[k - 1].detach().requires_grad_()
-                        inputs[k], outputs[k] = h, u.module(h)
-                    elif op == "backward":
-                        if not u.gathered or u.pending is not None:
-                            raise PlanError(f"unit {k} is not whole ({_state(u)})")
-                        if k not in outputs or (k < n - 1 and k + 1 not in grads):
-                            first = f"forward {k}" if k not in outputs else f"backward {k + 1}"
-                            raise PlanError(f"{first} has not run: backward {k} needs it")
-                        u.backward_start = self._stamp(u)
-                        if k == n - 1:
-                            loss = loss_fn(outputs[k], target)
-                            loss.backward()
-                        else:
-                            outputs[k].backward(grads[k + 1])
-                        if k > 0:
-                            grads[k] = inputs[k].grad
-                        grads.setdefault(k, None)
-                        u.complete = True
-                    elif op == "reduce":
-                        if not u.complete or u.launched:
-                            raise PlanError(
-                                "already reduced" if u.launched else "its backward has not run"
-                            )
-                        self._launch(u)
-                    else:
-                        self.finish_gradient_synchronization()
-                except PlanError as exc:
-                    raise PlanError(f"action {i} {action!r}: {exc}") from None
-        finally:
-            self._manual, self._in_forward = False, False
-            if self._state == "plan":
-                self._state = "idle"
-        return loss.item() if loss is not None else float("nan")
+        return _run_plan(self, plan, x, target, loss_fn)
 
     # ------------------------------------------------------------ reading
     def memory(self, optimizer=None) -> dict:
@@ -619,32 +426,6 @@ class FullyShardedDP(torch.nn.Module):
         return f"FullyShardedDP over {self.world} ranks, prefetch={self.prefetch}: " + "; ".join(
             rows
         )
-
-
-class PlanError(RuntimeError):
-    """A plan (:meth:`FullyShardedDP.run_plan`) used a unit that was not whole, or named
-    an action that does not exist."""
-
-
-_ACTIONS = ("gather", "wait", "forward", "backward", "free", "reduce")
-
-
-def _parse_action(action, n: int, i: int) -> tuple[str, int | None]:
-    words = action.split() if isinstance(action, str) else []
-    if words == ["finish"]:
-        return "finish", None
-    if len(words) == 2 and words[0] in _ACTIONS and words[1].isdigit() and int(words[1]) < n:
-        return words[0], int(words[1])
-    raise PlanError(
-        f"action {i} {action!r}: expected 'gather K', 'wait K', 'forward K', 'backward K', "
-        f"'free K', 'reduce K' or 'finish', with K a unit from 0 to {n - 1}"
-    )
-
-
-def _state(u) -> str:
-    if u.pending is not None:
-        return "its AllGather was not waited"
-    return "whole" if u.gathered else "sharded: gather and wait it first"
 
 
 def _needs_grad(out) -> bool:

@@ -105,7 +105,8 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     "check_1f1b_schedule": ("pipeline.make_schedule",),
     # the cost model's simulated step lists each unit's gathers and compute in order, and the
     # wrapper's hooks take the same steps (a logged step of it is a plan)
-    "check_fsdp_plan": ("costmodel.fsdp_step", "grading.lab12", "fsdp"),
+    "check_fsdp_plan": ("costmodel.fsdp_step", "grading.lab12", "fsdp", "fsdp_plan",
+                        "fsdp_units"),
     # lab 14: the kit's mesh and plans, and the check's own expected values
     "check_mesh_groups": ("hybrid.make_mesh", "grading.lab14.expected_groups"),
     "check_hybrid_plan": ("hybrid.plan_for", "hybrid.HybridStage", "grading.lab14.judge_plan"),
