@@ -174,8 +174,8 @@ def _two_data_parallel_groups(all_reduce):
 
 @pytest.mark.parametrize("all_reduce", [None, "ring"])
 def test_wrappers_on_two_subgroups_at_once_average_within_their_own(all_reduce):
-    """Issue 22, item 1: the built-in path made a group of the wrapper's ranks alone, a call
-    the other group's ranks never joined (a hang, or groups cross-wired)."""
+    """The built-in path must not make a group of the wrapper's ranks alone, a call the
+    other group's ranks never join (a hang, or groups cross-wired)."""
     out = ok.launch(_two_data_parallel_groups, all_reduce, world_size=4, timeout=90)
     for members in ([0, 2], [1, 3]):
         # d(sum of outputs)/dW: every row is the sum of the rank's inputs; averaged in-group
@@ -201,8 +201,8 @@ def _no_sync_right_after_a_synchronised_backward():
 
 
 def test_no_sync_while_the_last_backwards_all_reduces_fly_is_refused():
-    """Issue 22, item 4: a backward inside that block added into .grad views of buffers the
-    communication thread was still reducing: silent garbage."""
+    """A backward inside that block would add into .grad views of buffers the
+    communication thread is still reducing: silent garbage."""
     said = ok.launch(_no_sync_right_after_a_synchronised_backward, world_size=2, timeout=60)
     for message in said:
         assert "call finish_gradient_synchronization() first" in message, message
@@ -247,8 +247,8 @@ def _batchnorm_beside_torch_ddp(broadcast):
 
 @pytest.mark.parametrize("broadcast", [True, False])
 def test_buffers_follow_torch_ddps_broadcast_buffers(broadcast):
-    """Issue 22, item 3: buffers were broadcast at construction only; PyTorch's DDP does it
-    before every forward by default, so BatchNorm's running statistics drifted apart."""
+    """Buffers broadcast at construction only would let BatchNorm's running statistics
+    drift apart; PyTorch's DDP broadcasts them before every forward by default."""
     for rank, diffs in enumerate(ok.launch(_batchnorm_beside_torch_ddp, broadcast, world_size=2,
                                            timeout=90)):  # fmt: skip
         assert all(d < 1e-5 for d in diffs.values()), (rank, diffs)
@@ -281,8 +281,8 @@ def _zeros_here_unused_there(all_reduce):
 
 @pytest.mark.parametrize("all_reduce", [None, "ring"])
 def test_a_parameter_used_with_zero_gradient_on_one_rank_has_a_gradient_on_every_rank(all_reduce):
-    """Issue 22, item 2: use was read from the values (part.any()): zeros here, None there,
-    and weight decay moved one replica's parameter only. As PyTorch's used-parameter bitmap
+    """Use read from the values (part.any()) would give zeros here, None there, and weight
+    decay would move one replica's parameter only. As PyTorch's used-parameter bitmap
     (find_unused_parameters=True), a parameter any rank used has a gradient on every rank."""
     (grad0, gate0), (grad1, gate1) = ok.launch(_zeros_here_unused_there, all_reduce,
                                                world_size=2, timeout=60)  # fmt: skip
@@ -322,8 +322,8 @@ def _buckets_before_and_after_a_step():
 
 
 def test_buckets_follow_the_order_gradients_arrived_in_after_the_first_step():
-    """Issue 22, item 5: reverse registration order forever held c's AllReduce behind b's,
-    whose gradients come later; PyTorch's reducer rebuilds its buckets from the arrival
+    """Reverse registration order alone would forever hold c's AllReduce behind b's, whose
+    gradients come later; PyTorch's reducer rebuilds its buckets from the arrival
     order after the first iteration (rank 0's, so that every rank issues the same)."""
     (before, after0, weights0), (_, after1, weights1) = ok.launch(
         _buckets_before_and_after_a_step, world_size=2, timeout=60)  # fmt: skip
@@ -376,8 +376,8 @@ def _torch_ddp_with_kit_hook_on_a_gpu():
 
 @pytest.mark.gpu
 def test_on_a_gpu_the_kit_comm_hooks_future_orders_the_reducers_copy_after_the_op():
-    """Issue 22, item 6: the hook's future was a CPU future, so its then() and the
-    reducer's copy back could run before the ring's last GPU work ended."""
+    """With a CPU future, the hook's then() and the reducer's copy back could run before
+    the ring's last GPU work ends."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     assert all(d < 1e-5 for d in ok.launch(_torch_ddp_with_kit_hook_on_a_gpu, world_size=2,

@@ -156,8 +156,8 @@ def _moe_on_a_gpu():
 
 @pytest.mark.gpu
 def test_on_a_gpu_the_moe_layer_keeps_its_bookkeeping_on_the_tokens_device():
-    """Issue 22, item 7: split sizes, arange and full were made on the CPU and mixed with
-    the router's choices on the GPU (a device mismatch)."""
+    """Split sizes, arange and full are made on the tokens' device: made on the CPU, they
+    would meet the router's choices on the GPU (a device mismatch)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     assert all(d < 1e-4 for d in ok.launch(_moe_on_a_gpu, world_size=2, timeout=120))

@@ -1,5 +1,5 @@
 """Parity with PyTorch: the kit's data-parallel wrappers trained side by side with PyTorch's
-own ``DistributedDataParallel`` on a model that exercises the contract (issue 22), and the
+own ``DistributedDataParallel`` on a model that exercises the contract, and the
 kit's pipeline beside ``torch.distributed.pipelining``.
 
 Each rank builds the same model twice, wraps one copy in a kit wrapper and the other in

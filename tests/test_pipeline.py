@@ -165,8 +165,8 @@ def _last():
     (lambda: torch.nn.Linear(6, 6), _IgnoresItsInput, "stage 1: micro-batch 0's input got no"),
 ])  # fmt: skip
 def test_what_a_stage_cannot_send_is_named_not_crashed_on(first, second, words):
-    """Issue 22, item 9: a tuple output, a dtype that changes after micro-batch 0 and a
-    stage that ignores its input crashed deep in the transfers (or sent garbage)."""
+    """A tuple output, a dtype that changes after micro-batch 0 and a stage that ignores
+    its input are named, not left to crash deep in the transfers (or send garbage)."""
     with pytest.raises(PipelineError) as info:
         ok.launch(_stage_pair, first, second, world_size=2, timeout=60)
     assert words in str(info.value), str(info.value)
@@ -193,7 +193,7 @@ def _items_read_on_the_last_stage():
 
 
 def test_the_last_stage_reads_its_loss_from_the_device_once_per_step():
-    """Issue 22, item 9: loss.item() per micro-batch made the host wait for a GPU at each."""
+    """loss.item() per micro-batch would make the host wait for a GPU at each."""
     (_, _), (reads, loss) = ok.launch(_items_read_on_the_last_stage, world_size=2, timeout=60)
     assert isinstance(loss, float)
     assert reads <= 1, reads

@@ -163,8 +163,8 @@ def _row_parallel_bias_built_by_each_rank():
 
 
 def test_a_row_parallel_bias_built_without_a_layer_is_the_same_on_every_rank():
-    """Issue 22, item 8: the replicated bias came from each rank's own random numbers, so
-    every rank added a different one after the sum (Megatron zero-initialises it)."""
+    """A replicated bias drawn from each rank's own random numbers would differ on every
+    rank after the sum; it is zero-initialised, as Megatron does."""
     biases = ok.launch(_row_parallel_bias_built_by_each_rank, world_size=2, timeout=60)
     assert torch.equal(biases[0], biases[1]), biases
     assert torch.equal(biases[0], torch.zeros(4))

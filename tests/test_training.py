@@ -71,8 +71,8 @@ def test_bad_training_options_are_refused_clearly(kwargs, words):
 
 
 def test_building_the_tasks_model_leaves_the_callers_random_numbers_alone():
-    """Task.model() (called by every evaluation too) reset the global seed: a learner's
-    dropout or sampling then drew the same numbers after each evaluation (issue 22, item 10)."""
+    """Task.model() (called by every evaluation too) must not reset the global seed: a
+    learner's dropout or sampling would then draw the same numbers after each evaluation."""
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)

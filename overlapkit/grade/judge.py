@@ -47,8 +47,8 @@ LIGHT = frozenset({"check_fit_alpha_beta", "check_bytes_moved", "check_memory_pe
 def judge_environment() -> dict[str, str]:
     """The judge's (and so its ranks') environment: the grader's, with torch's plug-ins
     off. ``import torch`` otherwise runs every ``torch.backends`` entry point installed
-    (red team, session 16: a notebook installed one that rewrote the judge's report; the
-    folder it added is noticed too, :mod:`.tamper`)."""
+    (a notebook can install one that rewrites the judge's report; the folder it adds is
+    noticed too, :mod:`.tamper`)."""
     return {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
 
 

@@ -14,13 +14,13 @@ Tried in this order; the first that names exactly one lab of the labs folder win
    ("(1)", "-Copy1", "copy 2") are not numbers of labs. A name that points at two labs
    says nothing.
 
-Why an explicit lab comes first (issue 20 lists it last): it is the instructor's word and
-the one thing the student cannot change. An instructor grading a folder with ``--lab 03``
-fills lab 3's column; a student who handed in lab 5 there must not get lab 5's points in
-it: graded as lab 3, the notebook lacks lab 3's check cells and scores 0 with that reason.
-Without ``lab=`` the order is the issue's: metadata (the kit wrote it) before the file name
-(anyone renames files). When the sources disagree, the result carries a note saying so. A
-notebook none of them identifies is an error naming all three ways.
+An explicit lab comes first because it is the instructor's word and the one thing the
+student cannot change. An instructor grading a folder with ``--lab 03`` fills lab 3's
+column; a student who handed in lab 5 there must not get lab 5's points in it: graded as
+lab 3, the notebook lacks lab 3's check cells and scores 0 with that reason. Without
+``lab=``, metadata (the kit wrote it) comes before the file name (anyone renames files).
+When the sources disagree, the result carries a note saying so. A notebook none of them
+identifies is an error naming all three ways.
 
 Check cells (``check_cell_problem``)
 ------------------------------------

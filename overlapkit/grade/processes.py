@@ -34,9 +34,8 @@ def end_new_processes(before: set, spare: int | None = None, rounds: int = 50) -
 
     Listed again until none is new: a process that forks while the others are killed
     leaves a child the first list never held, which the next judge's ``before`` would
-    then spare (red team, session 16 round 4: a survivor outside the judge's sandbox may
-    trace its ranks). Each round stops them all before killing any (a stopped process
-    forks no more)."""
+    then spare (a survivor outside the judge's sandbox may trace its ranks). Each round
+    stops them all before killing any (a stopped process forks no more)."""
     import signal  # noqa: PLC0415
 
     import psutil  # noqa: PLC0415

@@ -10,11 +10,11 @@ judge:
 
 * every file and folder under the folders Python imports installed code from (the site
   folders, the standard library): a file edited in place, one of a module only the judge
-  or its ranks load among them (red team, session 16: a ``.pyc`` of ``torch.load``'s
+  or its ranks load among them (a ``.pyc`` of ``torch.load``'s
   rewritten, header kept), and a package added (a folder's change time changes when an
   entry is added: a torch plug-in's ``*.dist-info``, ``numpy/_distributor_init_local``);
 * the interpreter: its executable, ``pyvenv.cfg`` (its ``home`` chooses the standard
-  library every later Python runs: red team, session 16), each ``sys.path`` entry, there
+  library every later Python runs), each ``sys.path`` entry, there
   or not (``python311.zip`` is looked for first), and the folder holding it;
 * every module loaded here (the judge's and its ranks' modules are loaded first: every
   check, torch's lazy start-up), with its folder and ``__pycache__``; the kit; the labs.

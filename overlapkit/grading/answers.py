@@ -15,7 +15,7 @@ runs, and fails it when one starts: in the calling thread, in threads started me
 (``_thread``'s too), and in the kit's communication workers (an async op runs its task
 under the caller's watch, see ``collectives._Executor``). A copy compiled anew from the
 kit's source is recognised by what its code does (:func:`_key`); a copy edited a little
-(unused lines added, names changed, a code object renamed: red team round 5) by how much
+(unused lines added, names changed, a code object renamed) by how much
 of the answer's instructions it holds, in order (:func:`_copy_of`). That takes an answer
 long enough that honest work never reads like it (:data:`COPY_MIN_TOKENS`): the short
 ones (lab 07's greedy bucket loop, a byte count, a memory formula, lab 09's average) are
@@ -85,7 +85,7 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     # the whole module: its private helpers (_naive, _ring_reduce_scatter_flat, …) hold the
     # algorithms; chunk_bounds is the lab's own advice. And every ring of the kit's built of
     # messages: lab 11's decomposed matmuls with a 1×1 weight of ones are a ring AllGather
-    # and ReduceScatter (red team, session 16 round 4)
+    # and ReduceScatter
     "from_scratch": ("collectives", "!collectives.chunk_bounds", "moe.AllToAll",
                      "training.builtin_all_reduce", "tensor_parallel"),
     # lab 01: an AllReduce built from a ReduceScatter and an AllGather (the kit's allowed),
@@ -253,7 +253,7 @@ def _group_ops() -> dict[int, str]:
 def _key(code: types.CodeType) -> tuple:
     """What a code object does, not where it was compiled nor what it is called: the kit's
     source compiled again (blank lines in front, another file or module name), or its code
-    renamed (``co_name="<lambda>"``: red team, session 15), has the same key."""
+    renamed (``co_name="<lambda>"``), has the same key."""
     consts = tuple(_key(c) if isinstance(c, types.CodeType) else c for c in code.co_consts)
     return (code.co_code, code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars,
             consts)  # fmt: skip
@@ -296,8 +296,8 @@ def _tokens(code: types.CodeType, cache: dict | None = None) -> tuple:
         for ins in dis.get_instructions(code):
             if ins.opname in ("RESUME", "NOP", "CACHE", "EXTENDED_ARG"):
                 continue
-            # a global's name is the learner's to choose (an alias of the kit's own: red
-            # team, lab 14); what it does with it is not
+            # a global's name is the learner's to choose (an alias of the kit's own, in
+            # lab 14 say); what it does with it is not
             arg = ins.argval if ins.opname in _NAMED and ins.opname != "LOAD_GLOBAL" else None
             if not isinstance(arg, (str, int, float, bool, type(None))):
                 arg = type(arg).__name__
@@ -326,7 +326,7 @@ def _copy_of(code: types.CodeType, shapes: list, cache: dict | None = None) -> s
     # the global and attribute names it uses, at no cost: a copy keeps most of the answer's
     # (a lenient half, for renamed imports); torch's own functions, started by the hundred
     # under a watch, share few, and are let go before the costly disassembly. A copy whose
-    # globals were all renamed (red team, lab 14: plan_for's four through aliases) shares
+    # globals were all renamed (lab 14: plan_for's four through aliases) shares
     # none but is as long: the length lets it through to the instructions
     names, size = set(code.co_names), len(code.co_code)
     near = [s for s in shapes if len(names & s[2]) >= 0.5 * len(s[2])
@@ -474,7 +474,7 @@ def code_made_meanwhile():
     event that makes code while the call runs, in any thread: ``made(event, args,
     caller_file)`` sends it out on the rank's sightings pipe for the check to judge (a
     copy of an answer compiled from text on a thread no profiler watches, a raw thread's
-    or one torch started: red team round 2, session 15). Imports are let by (they load
+    or one torch started). Imports are let by (they load
     files; the guard refuses the kit's). Everything is bound now, before the learner's
     code runs; a pipe that cannot be written ends the process (:data:`CUT`)."""
     pipe = _sightings_pipe()
@@ -555,8 +555,8 @@ def _watch(codes: dict, ran: list, before, counter):
     copy of an answer: the check judges those itself, from what left the rank
     (:func:`seen_by_watches`), not from what the rank's code reports at its end.
 
-    Nothing of its state is within the learner's reach (red team, lab 14: a closure's
-    cells are readable and writable): the profile function is a bound method of an
+    Nothing of its state is within the learner's reach (a closure's cells are readable
+    and writable, so none holds it): the profile function is a bound method of an
     immutable tuple, and the state lives in a generator's frame, which no attribute
     hands out while the learner's call runs (``gi_frame`` is refused, :func:`hide`).
     Everything it runs with was bound before the learner's code ran: the module's names
@@ -626,14 +626,14 @@ def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, t
     the learner's (its function, a callback), everything that function can reach (its
     constants, globals, closure, defaults, arguments) is walked for code objects, which go
     out the same way: a copy that will run on a thread no profile function reaches (one
-    started from C: red team, session 15) was already seen where it was handed over.
+    started from C) was already seen where it was handed over.
 
     On a check's rank the watch outlives its block (``running`` leaves it on, and the
     call's guard refuses switching it off from then on): code of the learner's may still
     run once the block has closed (a finaliser, a handle whose ``_wait`` the rank's end
     calls, a kit function rebound), and the answers are armed again then: the kit's
-    answer run from a fake unwaited handle passed labs 00, 03 and 08 in the grader (red
-    team, session 16 round 3). So an answer that starts after the block is noted too,
+    answer run from a fake unwaited handle would pass labs 00, 03 and 08 in the grader.
+    So an answer that starts after the block is noted too,
     until the rank's value is on its way (the flush before the send), except where the
     check's own code calls it (a function marked :func:`between_blocks`: lab 00 times the
     kit's ping-pong between its blocks), an answer does, or a later block is open (its
@@ -681,8 +681,8 @@ def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, t
         for their_names, their_size in shapes:
             if 2 * len_(mine & their_names) >= len_(their_names):
                 return True
-            # (no upper bound: unused lines added take nothing from a copy: red team
-            # round 2, session 15 padded one past 1.6× the answer's size)
+            # (no upper bound: unused lines added take nothing from a copy, and one
+            # padded past 1.6× the answer's size is still one)
             if 0.8 * their_size <= size:
                 return True
         return False

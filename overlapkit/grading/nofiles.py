@@ -2,8 +2,8 @@
 
 :mod:`.nosockets` leaves the ranks no new connection, but ranks on one machine share
 files: the default group's own FileStore (``_get_default_store().set(...)`` in one rank,
-``.get`` in the other) and any folder both can write. A red team moved whole tensors that
-way, unseen by every record of the kit (round 6: labs 02, 03 and 11). So before the
+``.get`` in the other) and any folder both can write. Whole tensors can move that way,
+unseen by every record of the kit (labs 02, 03 and 11 would pass). So before the
 learner's code runs, a check's rank restricts itself with Landlock (Linux ≥ 5.13, no
 privilege needed, irrevocable)::
 

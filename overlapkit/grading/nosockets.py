@@ -34,7 +34,7 @@ _ARCHES = {
 _EXEC = {"x86_64": (59, 322), "aarch64": (221, 281)}
 #: (shmget, shmat, msgget, semget, mq_open) per machine: System V shared memory, message
 #: queues and semaphores, and POSIX message queues, open no socket and no file path, so
-#: they were a channel between ranks (red team, lab 13: whole gradients through shmget)
+#: they are a channel between ranks (lab 13: whole gradients through shmget)
 _IPC = {"x86_64": (29, 30, 68, 64, 240), "aarch64": (194, 196, 186, 190, 180)}
 _EPERM = 1
 _X32 = 0x40000000  # x86-64's x32 numbers: the same calls by another number
@@ -64,7 +64,7 @@ def _program(arch: int, *refused: int) -> bytes:
 def forbid_new_sockets(no_exec: bool = False) -> bool:
     """Make the kit's own group of the default group, then forbid new sockets in this
     process, every thread of it (irrevocably); with ``no_exec`` starting a program too
-    (execve: a fresh interpreter is neither watched nor disarmed; red team, lab 12). True
+    (execve: a fresh interpreter is neither watched nor disarmed, as lab 12 shows). True
     when the filter is in place."""
     import torch.distributed as dist  # noqa: PLC0415
 

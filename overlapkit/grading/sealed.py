@@ -235,7 +235,7 @@ _GUARDED = (
     "gc.get_referrers",
     "gc.get_referents",
     # C code called through ctypes: a thread started from C runs Python no profile function
-    # watches (red team, session 15: pthread_create), and memory read by address bypasses
+    # watches (pthread_create), and memory read by address bypasses
     # every guard of the watch's state
     "ctypes.dlopen",
     "ctypes.dlsym",
@@ -262,9 +262,9 @@ def _guard_the_call(files: bool = True) -> None:
     where a new thread takes the watch on (``answers`` starts every thread under it, the
     kit's communication worker carries it to each task); giving a function other code
     (``f.__code__ = …``: the disarmed answers' own code put back); and, with ``files``,
-    opening the kit's own files (a fresh copy of one of its modules is not disarmed). Red
-    team, lab 12: the profiler switched off through a partial, then ``costmodel`` loaded
-    afresh from its file, passed the check; lab 13: on a check's ranks, the profiler
+    opening the kit's own files (a fresh copy of one of its modules is not disarmed). In
+    lab 12, the profiler switched off through a partial, then ``costmodel`` loaded afresh
+    from its file, would pass the check; in lab 13, on a check's ranks, the profiler
     switched off and the answers re-armed through ``__code__``. (The ranks of a recorded
     check import the kit's modules lazily, so there ``files`` is off: a copy loaded
     afresh is still recognised by the watch, which can no longer be switched off.)"""
@@ -341,8 +341,8 @@ def _guard_the_call(files: bool = True) -> None:
             if sys._getframe(1).f_code.co_filename.endswith(_LINE_READERS):
                 raise PermissionError("the kit's source is not read while a check runs")
             # without ``files`` (a recorded check's ranks import the kit lazily): only a
-            # module already imported, whose fresh copy would not be disarmed (red team,
-            # lab 13: compression.py loaded again under another name and run on a thread
+            # module already imported, whose fresh copy would not be disarmed (in lab 13,
+            # compression.py loaded again under another name and run on a thread
             # started from C, which no profiler watches)
             if not files and not _imported(path[len(kit) :]):
                 return

@@ -315,7 +315,7 @@ def _run_recording(fn_bytes, args_bytes, forbid, payloads, mine):
         # gets the learner's function as an argument): see the module docstring
         fn = cloudpickle.loads(fn_bytes)
         args, kwargs = cloudpickle.loads(args_bytes)
-        # the watch can be neither switched off nor fooled by code put back (red team,
+        # the watch can be neither switched off nor fooled by code put back (as in
         # lab 13): the same guard as a single-process check's, but for the kit's files
         try:
             value = sealed.call_guarded(fn, args, {**kwargs, **mine}, files=False)
