@@ -1,6 +1,6 @@
 """The checks judge the work, not its name: a student who reads the kit's source finds no
-way to ✔ without doing the exercise (issue 21's classes of bypass, each with a twin, so
-that a fix by name fails the other spelling)."""
+way to ✔ without doing the exercise (each class of bypass with a twin, so that a fix by
+name fails the other spelling)."""
 
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ def test_the_kits_ddp_subclassed_or_wrapped_fails_the_hook_ddp_check(cls):
 
 
 class ReportRewritingDDP(torch.nn.Module):
-    """Red team round 6: no AllReduce at all; the launcher's encoders of the rank's result
+    """No AllReduce at all; the launcher's encoders of the rank's result
     are rebound, so that the report is rewritten after every in-rank check ran: the
     weights and gradients it shows are the reference's the rank worked out itself."""
 
@@ -195,12 +195,12 @@ def bytes_from_the_kits_count(collective, nbytes, world):
 
 
 def bytes_from_the_bus_bandwidth_factors(collective, nbytes, world):
-    """Red team round 3 (A8): the cost model's table of nccl-tests' factors."""
+    """The cost model's table of nccl-tests' factors."""
     return ok.costmodel.BUSBW_FACTOR[collective](world) * nbytes
 
 
 def bytes_from_halving_doubling(collective, nbytes, world):
-    """Red team round 3 (A8): Rabenseifner's time with α = 0, β = 1 is the ring's bytes."""
+    """Rabenseifner's time with α = 0, β = 1 is the ring's bytes."""
     whole = ok.costmodel.halving_doubling_all_reduce(nbytes, world, 0.0, 1.0)
     return whole if collective == "all_reduce" else whole / 2
 
@@ -326,9 +326,9 @@ def test_the_right_sum_by_the_wrong_messages_fails_the_root_pattern(fn):
                  "master-worker AllReduce")  # fmt: skip
 
 
-def rebuilds_every_input_with_the_old_seeds(tensor):
-    """What passed before the seeds were drawn per run: rebuild the check's inputs
-    (the old recipe: seed 1000·case + rank) and sum them, with no message at all."""
+def rebuilds_every_input_with_fixed_seeds(tensor):
+    """Rebuild the check's inputs from guessed fixed seeds (1000·case + rank) and sum them,
+    with no message at all: the seeds are drawn per run, so this fails."""
     from overlapkit.grading.collectives import _sizes
 
     me, world = ok.rank(), ok.world_size()
@@ -354,7 +354,7 @@ def rebuilds_every_input_from_the_callers_frame(tensor):
     tensor.copy_(mine * ok.world_size())
 
 
-@pytest.mark.parametrize("fn", [rebuilds_every_input_with_the_old_seeds,
+@pytest.mark.parametrize("fn", [rebuilds_every_input_with_fixed_seeds,
                                 rebuilds_every_input_from_the_callers_frame])  # fmt: skip
 def test_no_rank_can_rebuild_the_other_ranks_inputs(fn):
     report = ok.grading.check_all_reduce(fn, pattern="ring", world_sizes=(2,))
@@ -461,8 +461,8 @@ def test_waits_through_the_handles_class_are_seen_by_lab08s_probe(fn):
     _failed_with(ok.grading.check_gpipe_step(fn), "nothing overlaps")
 
 
-# --------------------------------------------------------------------------- the red team's
-# second round: each way it found, kept with a twin
+# ------------------------------------------------ the kit's private helpers, the watch, a hidden
+# group and the group's store: each way around the work, kept with a twin
 
 
 def ring_from_the_kits_private_helpers(tensor):
@@ -584,7 +584,7 @@ _all_through_the_store.calls = 0
 
 
 def ring_messages_worked_out_from_the_store(tensor):
-    """Red team round 6 (labs 02, 03), without forging a record: every rank's tensor
+    """Labs 02 and 03 without forging a record: every rank's tensor
     through the store, then the very messages a ring sends, their values worked out from
     what the store gave (partial sums, then finished sums), not from what came in."""
     me, n = ok.rank(), ok.world_size()
@@ -641,8 +641,8 @@ def test_the_ring_check_reads_what_the_messages_carry():
     _failed_with(report, "not a chunk of a partial sum")
 
 
-# --------------------------------------------------------------------------- the red team's
-# third round: a recompiled copy of the kit, and a forged record of the messages
+# ---------------------------------------- a recompiled copy of the kit, and a forged record of
+# the messages
 
 
 def _shadow(name):
@@ -742,12 +742,13 @@ def test_a_forged_record_of_the_messages_fails(check, fn):
     assert "record of its messages" in text or "torch.distributed" in text, text
 
 
-# --------------------------------------------------------------------------- red team, round 3
+# ------------------------------------------------- inputs rebuilt, links guessed, the watch evaded
 
 
-def ag_matmul_from_the_old_fixed_seed(x, weight):
-    """Round 3: every rank's input came from manual_seed(7): rebuild all of it, multiply at
-    once, and pass dummy messages round the ring for the count and the overlap."""
+def ag_matmul_from_a_fixed_seed(x, weight):
+    """Guesses that every rank's input comes from manual_seed(7): rebuilds all of it,
+    multiplies at once, and passes dummy messages round the ring for the count and the
+    overlap."""
     n, me = ok.world_size(), ok.rank()
     rows, feats = x.shape
     full = torch.randn(n * rows, feats, generator=torch.Generator().manual_seed(7))
@@ -779,7 +780,7 @@ def ag_matmul_from_the_callers_frame(x, weight):
     return out
 
 
-@pytest.mark.parametrize("fn", [ag_matmul_from_the_old_fixed_seed,
+@pytest.mark.parametrize("fn", [ag_matmul_from_a_fixed_seed,
                                 ag_matmul_from_the_callers_frame])  # fmt: skip
 def test_no_rank_holds_the_other_shards_of_lab11s_ag_matmul(fn):
     _failed_with(ok.grading.check_ag_matmul(fn), "rank 0, rows", "expected")
@@ -803,7 +804,7 @@ def test_a_link_returned_without_fitting_fails_every_run(fn):
 
 
 def _quiet_the_watch():
-    """Round 3's A1: rewrite the watch's closure so that it notes nothing."""
+    """Rewrite the watch's closure so that it notes nothing."""
     import sys
     import threading
 
@@ -937,7 +938,7 @@ def test_the_kits_ring_refuses_to_run_on_a_rank_where_the_watch_does_not_reach(f
 
 
 def ping_pong_by_the_kit_when_timed(nbytes, iters):
-    """Round 3's C: messages of its own where only counted, the kit's ping-pong where timed."""
+    """Messages of its own where only counted, the kit's ping-pong where timed."""
     if nbytes == 4 << 20:
         return ok.pingpong.ping_pong(nbytes, iters=iters)
     buf = torch.empty(nbytes, dtype=torch.uint8)
@@ -958,7 +959,7 @@ def test_the_timed_ping_pong_is_watched_too():
 
 
 def rs_ag_decoys_then_the_kits_ring(tensor):
-    """Round 3's A9: the parts lab 01 asks for on throw-away tensors, then the kit's whole
+    """The parts lab 01 asks for on throw-away tensors, then the kit's whole
     AllReduce under another module's name."""
     n = ok.world_size()
     ok.builtin.reduce_scatter_tensor(torch.zeros(1), torch.zeros(n))
@@ -1003,7 +1004,7 @@ def _gpipe_shaped_messages(stage, inputs, targets, micro_batches):
 
 
 def gpipe_grads_from_the_callers_frame(stage, inputs, targets, micro_batches):
-    """Round 3's B2: the check's reference gradients sat in its frame on the rank."""
+    """Looks for the check's reference gradients in its frame on the rank."""
     import inspect
 
     _gpipe_shaped_messages(stage, inputs, targets, micro_batches)
@@ -1013,7 +1014,7 @@ def gpipe_grads_from_the_callers_frame(stage, inputs, targets, micro_batches):
         p.grad = g.clone()
 
 
-def gpipe_grads_from_the_old_fixed_batch(stage, inputs, targets, micro_batches):
+def gpipe_grads_from_a_fixed_batch(stage, inputs, targets, micro_batches):
     """Each rank rebuilt the whole batch (seed 4) and the model, and took its own gradients."""
     from overlapkit.grading.pipeline import BATCH, _stages
 
@@ -1028,14 +1029,14 @@ def gpipe_grads_from_the_old_fixed_batch(stage, inputs, targets, micro_batches):
 
 
 @pytest.mark.parametrize("fn", [gpipe_grads_from_the_callers_frame,
-                                gpipe_grads_from_the_old_fixed_batch])  # fmt: skip
+                                gpipe_grads_from_a_fixed_batch])  # fmt: skip
 def test_no_rank_holds_lab08s_reference_gradients(fn):
     _failed_with(ok.grading.check_gpipe_step(fn), "rank 0's 0.weight.grad")
 
 
 def zero1_from_the_callers_frame(flat_params, flat_grads, shard, optimizer):
-    """Round 3's B2 for lab 04: every rank's gradients and the reference momentum sat in
-    the check's frame on the rank; the counted ReduceScatter and AllGather ran on dummies."""
+    """Lab 04: looks for every rank's gradients and the reference momentum in the check's
+    frame on the rank; the counted ReduceScatter and AllGather run on dummies."""
     import inspect
 
     n, me, world = shard.numel(), ok.rank(), ok.world_size()
@@ -1057,8 +1058,8 @@ def test_no_rank_holds_lab04s_other_gradients_or_reference():
 
 
 def buckets_from_the_callers_frame(sizes, bucket_mb):
-    """Round 3's B1 (a notebook's single-process check): the check's `want` sat in its
-    frame while the learner's function ran."""
+    """A notebook's single-process check: looks for the check's `want` in its frame while
+    the learner's function runs."""
     import inspect
 
     held = [f.frame.f_locals.get("want") for f in inspect.stack()[1:]]
@@ -1078,7 +1079,7 @@ def _average_into(model, flat):
 
 
 def average_on_a_hidden_group_through_a_partial(model):
-    """Red team round 3 (D): a C callable calling C shows the watch no event at all."""
+    """A C callable calling C shows the watch no event at all."""
     import functools
 
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -1164,8 +1165,8 @@ def test_lab09s_mean_through_the_kit_passes_by_ring_or_by_messages(fn):
 
 
 def chunked_moe_from_what_the_rank_holds(x, expert_of, expert, chunks):
-    """Red team round 3: every expert (seed 40) and every token's output were on each rank.
-    Counts what the check's frames and torch's old seed give: the rank's own expert only."""
+    """Looks for every expert (seed 40) and every token's output on the rank. Counts what
+    the check's frames and a guessed torch seed give: the rank's own expert only."""
     import inspect
 
     held = [f.frame.f_locals for f in inspect.stack()[1:]]
@@ -1193,7 +1194,7 @@ def test_no_rank_holds_lab11s_other_experts_or_their_outputs():
 
 
 def memory_by_patching_the_report(n_params, world_size, optimizer="adam", zero1=True):
-    """Red team round 3 (E): reach the check's Report through the frames, turn fail into ok."""
+    """Reach the check's Report through the frames, turn fail into ok."""
     f = sys._getframe(1)
     while f is not None and not isinstance(f.f_locals.get("report"), ok.grading.Report):
         f = f.f_back
@@ -1228,12 +1229,12 @@ class _Agreeable(str):
 
 
 def schedule_of_agreeable_strings(stages, micro_batches):
-    """Red team round 3 (E): a str whose == always agrees, in the schedule's shape."""
+    """A str whose == always agrees, in the schedule's shape."""
     return [[_Agreeable("F0")] * (2 * micro_batches) for _ in range(stages)]
 
 
 def schedule_read_from_the_checks_frames(stages, micro_batches):
-    """Red team round 3 (B1, in a notebook): the wanted schedules were in the check's frame."""
+    """In a notebook: looks for the wanted schedules in the check's frame."""
     f = sys._getframe(1)
     while f is not None:
         for value in f.f_locals.values():
@@ -1251,7 +1252,7 @@ def test_a_schedule_that_is_not_worked_out_fails_lab08_in_a_notebook_too(fn):
 
 
 def fit_read_from_the_checks_frames(sizes, times):
-    """Red team round 3 (B1, in a notebook): the link's α and β were in the check's frame."""
+    """In a notebook: looks for the link's α and β in the check's frame."""
     f = sys._getframe(1)
     while f is not None:
         if "alpha" in f.f_locals and "beta" in f.f_locals:
@@ -1304,12 +1305,12 @@ def test_a_function_that_cannot_be_sent_to_a_rank_is_told_why():
     assert "cannot be sent to the process the check runs it in" in report.cases[0][1], report.cases
 
 
-# ---------------------------------- red team round 4: no channel between ranks but the kit's
+# ------------------------------------------------ no channel between ranks but the kit's
 
 
 def _group_through_a_partial(op, outputs, inputs):
     """A gloo group of the learner's own, its operation called through a partial of the
-    class's method (no profiler event) — the red team's round 4 channel."""
+    class's method (no profiler event): a channel between ranks outside the kit."""
     pg = _hidden_group()
     return functools.partial(getattr(type(pg), op), pg)(outputs, inputs).wait()
 
@@ -1382,8 +1383,8 @@ def test_a_recompiled_copy_of_the_kit_on_a_raw_thread_is_still_its_answer(check,
 
 
 def test_a_thread_started_under_the_watch_is_no_tampering_and_stays_watched():
-    """Red team round 5: every threading.Thread started under the watch was "tampering"
-    (its start calls sys.setprofile), and threading._profile_hook = None left one unwatched."""
+    """A threading.Thread started under the watch is not "tampering" (though its start
+    calls sys.setprofile), and threading._profile_hook = None leaves none unwatched."""
     import threading
 
     from overlapkit.grading import answers
