@@ -1,7 +1,7 @@
-"""Edited copies of the kit's answers (issue 21, red team round 5): a line added to every
-function of a kit module, or a code object renamed, is still the kit's answer. A module of
-its own because the copies are made where it is imported, which every rank of a check on
-one of its functions does (a cost the other red-team tests should not pay)."""
+"""Edited copies of the kit's answers: a line added to every function of a kit module, or a
+code object renamed, is still the kit's answer. A module of its own because the copies are
+made where it is imported, which every rank of a check on one of its functions does (a
+cost the other tests of bypasses should not pay)."""
 
 from __future__ import annotations
 
@@ -28,12 +28,12 @@ def _source(name: str) -> str:
     return inspect.getsource(importlib.import_module(name))
 
 
-# ------------------------ open (issue 21, red team round 5): an edited copy is not recognised
+# ------------------------------------------------------ an edited copy is still the kit's answer
 
 
 def _laundered(modname: str):
-    """Red team round 5: one of the kit's modules, an unused local put first in every
-    function, compiled anew: same behaviour, code objects no exact key matches."""
+    """One of the kit's modules, an unused local put first in every function, compiled
+    anew: same behaviour, code objects no exact key matches."""
     import ast
     import types
 
@@ -102,8 +102,8 @@ def zero1_by_a_laundered_copy(flat_params, flat_grads, shard, optimizer):
     (ok.grading.check_zero1_step, zero1_by_a_laundered_copy),
 ])  # fmt: skip
 def test_an_edited_copy_of_the_kits_answer_is_still_its_answer(check, fn, capsys):
-    """Red team round 5: a line added to every function of a kit module's source, or the
-    kit's code object renamed, made a copy the exact key did not know."""
+    """A line added to every function of a kit module's source, or the kit's code object
+    renamed, makes a copy the exact key does not know: the check still finds it."""
     result = check(fn)
     assert not result.all_passed
     out = capsys.readouterr().out

@@ -136,10 +136,10 @@ end_new_processes(before)
 
 
 def test_a_process_that_keeps_forking_is_ended_with_all_it_forked(tmp_path):
-    """Red team, session 16 round 4: a process that forks while the grader ends what a
-    notebook left leaves children the grader's one list never held, and the next judge's
-    list of processes already there would spare them. The grader lists again until
-    nothing new is left, stopping each process before it kills it."""
+    """A process that forks while the grader ends what a notebook left leaves children the
+    grader's one list never held, and the next judge's list of processes already there
+    would spare them. The grader lists again until nothing new is left, stopping each
+    process before it kills it."""
     import subprocess
 
     pids = tmp_path / "forked"
@@ -282,10 +282,10 @@ def test_a_same_size_edit_with_its_modification_time_put_back_is_still_noticed(t
         _grade(tmp_path, labs, notebook(ONE_F_ONE_B, ASSIGN, extra=[sneak]))
 
 
-# red team, session 16: a cell put a package into site-packages that every later Python
-# loads (a torch plug-in's entry point, numpy's _distributor_init_local): it rewrote the
-# judge's json.dumps, and the grader gave 4/4 to an unfinished notebook. Here the cell
-# writes into a stand-in import root, not the test's own site-packages.
+# a cell can put a package into site-packages that every later Python loads (a torch
+# plug-in's entry point, numpy's _distributor_init_local): one that rewrites the judge's
+# json.dumps would give 4/4 to an unfinished notebook. Here the cell writes into a
+# stand-in import root, not the test's own site-packages.
 _PLUG_IN = (
     "import pathlib\nroot = pathlib.Path({root!r})\n"
     "(root / 'zz_backend_ext').mkdir()\n(root / 'zz_backend_ext' / '__init__.py').write_text('')\n"
@@ -322,8 +322,8 @@ def test_a_package_a_notebook_adds_where_python_imports_from_stops_the_grading(
     assert added in str(stopped.value), stopped.value
 
 
-# red team, session 16, round 2: a .pyc that only the judge loads (torch.load's
-# serialization package) rewritten in place, its header kept: no folder changes
+# a .pyc that only the judge loads (torch.load's serialization package) rewritten in
+# place, its header kept: no folder changes
 _IN_PLACE = (
     "import os, pathlib\n"
     "p = pathlib.Path({root!r}) / 'numpy' / '__pycache__' / 'mod.cpython-311.pyc'\n"
@@ -349,8 +349,8 @@ def test_a_file_a_notebook_edits_in_place_where_python_imports_from_stops_the_gr
 
 
 def test_what_chooses_the_judges_interpreter_is_fingerprinted_there_or_not(tmp_path):
-    """Red team, session 16, round 2: ``home`` in pyvenv.cfg pointed the judge at a standard
-    library of the student's; a ``python311.zip`` that does not exist is on sys.path first."""
+    """``home`` in pyvenv.cfg can point the judge at a standard library of the student's; a
+    ``python311.zip`` that does not exist is on sys.path first."""
     import tempfile
 
     from overlapkit.grade import tamper
@@ -434,8 +434,8 @@ def test_the_kits_own_answer_under_another_name_scores_zero_also_in_the_judge(ch
 def test_under_the_grader_only_what_the_witness_measured_counts_as_measured(tmp_path):
     """Lab 10's measure() asks the grader's witness (a process outside the kernel), which
     measures and keeps the note; the judge reads the witness's notes. A note forged in the
-    kernel (the red team's lab 10 bypass: records.note with an invented row) never reaches
-    the judge, while the row measure() really returned does, without a re-measurement."""
+    kernel (lab 10's bypass: records.note with an invented row) never reaches the judge,
+    while the row measure() really returned does, without a re-measurement."""
     from overlapkit.grade.kernel import execute  # noqa: PLC0415
 
     cells = [
