@@ -273,8 +273,8 @@ def test_a_right_fit_passes_at_either_end_of_the_links_factor(scale, monkeypatch
 
 
 def test_a_pair_returned_without_fitting_fails_every_run():
-    """The red team's third round: `return 20e-6, 5e-10` (a plausible link) passed both
-    cases, which fitted a fixed link; the link is now drawn for each run."""
+    """`return 20e-6, 5e-10` (a plausible link) would pass cases that fit a fixed link; so
+    the link is drawn for each run."""
 
     def guessed(sizes, times):
         return 20e-6, 5e-10

@@ -99,7 +99,7 @@ def reduces_before_backward(units, prefetch):
 
 
 def prefetches_in_reverse_order(units, prefetch):
-    """The second learner review: each batch of gathers issued last-needed first, so the
+    """Each batch of gathers issued last-needed first, so the
     unit needed next queues behind the others on the link."""
     plan, batch = [], []
     for a in right(units, prefetch):
@@ -269,7 +269,7 @@ def test_the_run_on_ranks_names_a_plan_that_uses_a_unit_not_whole():
 
 
 def starts_a_fresh_interpreter_for_the_kits_answer(units, prefetch):
-    """Red team, lab 12 (F3): a new interpreter is neither watched nor disarmed."""
+    """A new interpreter is neither watched nor disarmed."""
     import subprocess  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
@@ -279,7 +279,7 @@ def starts_a_fresh_interpreter_for_the_kits_answer(units, prefetch):
 
 
 def switches_the_watch_off_through_a_partial(units, prefetch):
-    """Red team, lab 12 (F4): the profiler off without a call event, a fresh copy of a kit
+    """The profiler off without a call event, a fresh copy of a kit
     module loaded from its file (not disarmed), the watch back on."""
     import functools  # noqa: PLC0415
     import importlib.util  # noqa: PLC0415
@@ -334,7 +334,7 @@ def switches_the_watch_off_in_a_thread(units, prefetch):
     (asks_the_cost_model, "your function"),
     (asks_the_checks_own_judge, "your function"),
     (logs_the_wrappers_own_step, "your function"),
-    # the red team's ways to do the work outside the watch (lab 12, this session)
+    # ways to do the work outside the watch
     (starts_a_fresh_interpreter_for_the_kits_answer, "starts no program"),
     (switches_the_watch_off_through_a_partial, "called sys.setprofile"),
     (loads_a_fresh_copy_of_the_kit_with_the_watch_on, "opened the kit's own file"),

@@ -306,10 +306,10 @@ def test_the_mismatch_message_is_not_followed_by_an_unrelated_hint():
     assert "needs output to hold" not in said, said
 
 
-# ------------------------------------------------------------------ the red team (lab 13)
-# Each of these passed the check before it counted bytes where every kit message leaves a
-# rank and guarded its ranks' watch: they exchange more than top-k sends, or run the kit's
-# own TopK with the watch switched off or its disarmed code put back.
+# ------------------------------------------------------------- ways around the work (lab 13)
+# Each of these exchanges more than top-k sends, or runs the kit's own TopK with the watch
+# switched off or its disarmed code put back; so the check counts bytes where every kit
+# message leaves a rank and guards its ranks' watch.
 
 
 def _tiny():  # a gather, so that "never called ok.ring_all_gather" does not speak first
@@ -424,7 +424,7 @@ def _codes_of(fn, seen):
 
 
 def kit_top_k_rearmed_through_code(flat, residual, fraction):
-    # the watch's closure held them until lab 14's red team; its token cache still does
+    # looks for the answers' original code in the watch's closure, then its token cache
     codes = _codes_of(sys.getprofile(), set()) or {
         entry[0]: None for entry in list(ok.grading.answers._tokens_of.values())
     }
@@ -440,30 +440,30 @@ def kit_top_k_rearmed_through_code(flat, residual, fraction):
     return squeeze.residuals[0][1]
 
 
-RED_TEAM = {
+AROUND_THE_WORK = {
     dense_over_p2p: "compresses nothing",
     dense_all_reduce_by_another_module: "compresses nothing",
     everything_gathered_by_another_module: "compresses nothing",
     everything_gathered_as_a_small_tensor: "compresses nothing",
     kit_top_k_with_the_watch_off: "your function called sys.setprofile",
-    # the originals were in the watch's closure, then in its token cache: neither hands
-    # them out now, so nothing is re-armed and the kit's TopK refuses to run
+    # neither the watch nor its token cache hands the originals out, so nothing is
+    # re-armed and the kit's TopK refuses to run
     kit_top_k_rearmed_through_code: "ran ok.compression.TopK",
 }
 
 
-@pytest.mark.parametrize("fn", list(RED_TEAM), ids=[f.__name__ for f in RED_TEAM])
-def test_no_way_around_the_work_found_by_the_red_team_passes(fn):
+@pytest.mark.parametrize("fn", list(AROUND_THE_WORK), ids=[f.__name__ for f in AROUND_THE_WORK])
+def test_no_way_around_the_work_passes(fn):
     report = ok.grading.check_topk_with_feedback(fn)
     assert not report.all_passed, report.cases
     said = " ".join(text for passed, text in report.cases if not passed)
-    assert RED_TEAM[fn] in said, said
+    assert AROUND_THE_WORK[fn] in said, said
 
 
-# Round two of the red team: a channel outside the kit (System V shared memory), and the
-# kit's TopK loaded afresh from its file and run on a thread started from C (which no
-# profiler watches). Both passed before: IPC is refused by the ranks' seccomp filter now,
-# and opening the file of a kit module already imported by the guard.
+# A channel outside the kit (System V shared memory), and the kit's TopK loaded afresh
+# from its file and run on a thread started from C (which no profiler watches): the ranks'
+# seccomp filter refuses IPC, and the guard refuses opening the file of a kit module
+# already imported.
 
 
 def through_system_v_shared_memory(flat, residual, fraction):
@@ -516,19 +516,19 @@ def fresh_kit_top_k_on_a_thread_started_from_c(flat, residual, fraction):
     return box["dropped"]
 
 
-RED_TEAM_TWO = {
-    # refused since session 15 before any shmget: C through ctypes while the call runs
+OUTSIDE_THE_KIT = {
+    # refused before any shmget: C through ctypes while the call runs
     through_system_v_shared_memory: "called C code through ctypes",
     fresh_kit_top_k_on_a_thread_started_from_c: "opened the kit's own file",
 }
 
 
-@pytest.mark.parametrize("fn", list(RED_TEAM_TWO), ids=[f.__name__ for f in RED_TEAM_TWO])
+@pytest.mark.parametrize("fn", list(OUTSIDE_THE_KIT), ids=[f.__name__ for f in OUTSIDE_THE_KIT])
 def test_no_channel_outside_the_kit_and_no_fresh_copy_of_an_answer_passes(fn):
     report = ok.grading.check_topk_with_feedback(fn)
     assert not report.all_passed, report.cases
     said = " ".join(text for passed, text in report.cases if not passed)
-    assert RED_TEAM_TWO[fn] in said, said
+    assert OUTSIDE_THE_KIT[fn] in said, said
 
 
 def only_rank_0_gathers(flat, residual, fraction):
