@@ -219,7 +219,7 @@ def asks_the_checks_judge(actions, stage, stages, buckets):
     return []
 
 
-# red team (lab 14): the kit's plan_for by other doors
+# the kit's plan_for by other doors
 
 
 def plan_for_with_its_globals_aliased(actions, stage, stages, buckets):
@@ -253,9 +253,9 @@ def rebinds_the_watchs_copy_finder(actions, stage, stages, buckets):
 
 
 def takes_the_originals_from_the_watchs_closure(actions, stage, stages, buckets):
-    """The profiler's closure held the answers' original code and its cache of verdicts
-    (red team, lab 14): mark the originals 'not an answer' there, then run one. The token
-    cache held the originals too; on a rank it now holds nothing."""
+    """Looks for the answers' original code and the cache of verdicts in the profiler's
+    closure and in the token cache: mark the originals 'not an answer' there, then run
+    one. On a rank neither holds them."""
     import types
 
     originals = [entry[0] for entry in ok.grading.answers._tokens_of.values()]

@@ -70,7 +70,7 @@ def renamed_then_the_report_blinded(sizes, times):
 
 @pytest.mark.parametrize("fn", [pasted_then_the_report_blinded, renamed_then_the_report_blinded])
 def test_a_copy_run_then_the_ranks_report_blinded_still_fails(fn):
-    # (the blinded report passed both before the sightings pipe: red team, session 15)
+    # (a blinded report would pass both without the sightings pipe)
     _failed_with(ok.grading.check_fit_alpha_beta(fn), "ran ok.costmodel.fit_alpha_beta")
 
 
@@ -210,9 +210,9 @@ def test_a_pasted_all_gather_on_ranks_is_judged_from_what_the_ranks_sent_out():
     _failed_with(report, "ran ok.collectives._ring_all_gather_flat")
 
 
-# --------------------------------------------------------------------------- red team,
-# session 15: (A) the kit's code renamed "<…>", which the watch let go by its name; (B) a
-# copy run on a thread started from C (ctypes' pthread_create), which no profiler reaches
+# --------------------------------------------------------------------------- (A) the kit's
+# code renamed "<…>", which a watch that goes by names would let go; (B) a copy run on a
+# thread started from C (ctypes' pthread_create), which no profiler reaches
 
 
 # As a notebook's: defined in __main__, so that the check ships them by value, with what
@@ -327,14 +327,14 @@ def test_the_kits_ring_on_a_c_thread_on_ranks_fails():
     assert not report.all_passed, report.cases
 
 
-# --------------------------------------------------------------------------- red team
-# round 2, session 15: a copy compiled from text only on a thread no profiler watches (a
-# raw thread started with the original _thread.start_new_thread, read out of the check's
-# wrapper; torch's inter-op pool), and a copy padded past the size the judge compared
+# --------------------------------------------------------------------------- a copy
+# compiled from text only on a thread no profiler watches (a raw thread started with the
+# original _thread.start_new_thread, read out of the check's wrapper; torch's inter-op
+# pool), and a copy padded past the size the judge compares
 
 
-_ROUND2 = {"__name__": "__main__", "ok": ok}
-_ROUND2_SOURCE = """
+_UNWATCHED = {"__name__": "__main__", "ok": ok}
+_UNWATCHED_SOURCE = """
 FIT = _FIT_SOURCE
 PIPELINE = _PIPELINE_SOURCE
 FORK = '''
@@ -383,13 +383,13 @@ def schedule_compiled_on_torchs_interop_pool(stages, micro_batches):
     torch.jit.script(ns["outer"])(torch.zeros(1))
     return got[0]
 """
-_ROUND2.update(
+_UNWATCHED.update(
     _FIT_SOURCE=_source_of(ok.costmodel, "fit_alpha_beta"),
     _PIPELINE_SOURCE=Path(ok.pipeline.__file__).read_text(),
 )
-exec(compile(_ROUND2_SOURCE, "<notebook>", "exec", dont_inherit=True), _ROUND2)
-fit_compiled_on_a_raw_thread = _ROUND2["fit_compiled_on_a_raw_thread"]
-schedule_compiled_on_torchs_interop_pool = _ROUND2["schedule_compiled_on_torchs_interop_pool"]
+exec(compile(_UNWATCHED_SOURCE, "<notebook>", "exec", dont_inherit=True), _UNWATCHED)
+fit_compiled_on_a_raw_thread = _UNWATCHED["fit_compiled_on_a_raw_thread"]
+schedule_compiled_on_torchs_interop_pool = _UNWATCHED["schedule_compiled_on_torchs_interop_pool"]
 
 # make_schedule pasted with its globals aliased and 200 unused lines: past 1.6× its size
 _PADDED = {"__name__": "__main__", "S": ok.pipeline.SCHEDULES, "E": ValueError, "R": range,
@@ -446,10 +446,11 @@ def test_the_kits_schedule_compiled_elsewhere_or_padded_is_still_its_answer(fn):
     _failed_with(ok.grading.check_1f1b_schedule(fn), "ran ok.pipeline.make_schedule")
 
 
-# --------------------------------------------------------- red team round 3, session 16
+# --------------------------------------------------------- after the check's call
 # Code of the learner's that runs after the check's call of it ended (the watch closed,
 # the answers armed again) but before the rank's value left: a fake unwaited handle that
-# the rank's end waits for, a finaliser. Lab 00 2/2, lab 08 3/3, lab 03 4/4 in the grader.
+# the rank's end waits for, a finaliser. Unseen, it gives lab 00 2/2, lab 08 3/3 and
+# lab 03 4/4 in the grader.
 _LATE = {"__name__": "__main__", "ok": ok}
 exec(
     compile(
@@ -549,7 +550,7 @@ def test_code_of_the_learners_that_runs_after_the_call_fails_the_check(check, fn
     _failed_with(check(fn), "the kit's own answer")
 
 
-# --------------------------------------------------------- red team round 4, session 16
+# --------------------------------------------------------- rings built of lab 11's matmuls
 # ReduceScatter and AllGather as lab 11's decomposed matmuls with a 1x1 weight of ones:
 # ring-shaped messages, all of them the kit's (its neighbour helper swapped for one's own).
 _TP = {"__name__": "__main__", "ok": ok}
