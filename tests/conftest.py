@@ -160,7 +160,7 @@ class Agreeable(float):
 
 def soak_runs(in_ci: int, soak: int = 20) -> int:
     """How often a verdict that must hold every time is repeated: ``soak`` times when
-    OVERLAPKIT_SOAK=1 (``make soak``: the 20-of-20 runs an issue asks for), else
+    OVERLAPKIT_SOAK=1 (``make soak``: 20 of 20 runs must hold), else
     ``in_ci`` times, so that the test suite stays within its time on 2 cores."""
     return soak if _soaking() else in_ci
 

@@ -16,7 +16,7 @@ from overlapkit.grading.lab10 import BASELINE, BATCH, LINK
 from .conftest import Agreeable, soak_runs
 
 ONE_MIB = {"wrapper": "bucketed", "bucket_mb": 1}
-#: the issue's invented table: plausible-looking, guessable lines, never measured
+#: an invented table: plausible-looking, guessable lines, never measured
 INVENTED = {"before": {"step_ms": 40.0, "hidden": 0.0}, "after": {"step_ms": 30.0, "hidden": 0.8}}
 #: a made-up table is re-measured and refused this often (each run ~10-25 s here)
 MISTAKE_RUNS = soak_runs(2)
@@ -87,7 +87,7 @@ def no_launch(monkeypatch):
     monkeypatch.setattr(lab10, "launch", launch)
 
 
-def test_the_issues_invented_table_earns_nothing_every_time_without_measuring(monkeypatch):
+def test_an_invented_table_earns_nothing_every_time_without_measuring(monkeypatch):
     no_launch(monkeypatch)
     records.NOTES.clear()  # measure() never ran: the table was typed in
     for _ in range(20):
