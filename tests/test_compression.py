@@ -228,7 +228,7 @@ def test_the_kits_powersgd_hook_follows_torchs_step_by_step_from_the_same_bytes(
                                                           world_size=2, timeout=120):  # fmt: skip
         assert our_numel == their_numel
         # the same first Q as PyTorch draws, the same algorithm: the same losses but for the
-        # order of float additions (within 5% is required)
+        # order of float additions (the contract asks within 5%)
         for step, (a, b) in enumerate(zip(theirs, ours, strict=True)):
             assert abs(a - b) <= 1e-3 * a, (step, theirs, ours)
         assert ours[-1] < 0.8 * ours[0]  # and it trains
