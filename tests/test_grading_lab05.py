@@ -264,7 +264,7 @@ def comm_span_until_wait(grad, compute, timeline):
 
 
 def comm_span_as_a_with_block(grad, compute, timeline):
-    # the span the review found passing 3 runs in 7: from the call to wait()'s return
+    # a span from the call to wait()'s return, which could pass on a loaded machine
     with timeline.span("all-reduce", lane="comm"):
         handle = ok.ring_all_reduce(grad, async_op=True)
         with timeline.span("compute"):

@@ -416,7 +416,7 @@ def test_seconds_and_percentages_are_named_even_from_a_quieter_spell(monkeypatch
 BUSY_BEFORE = [([290, 300, 310, 320, 300], [0.0] * 5), ([280, 295, 299, 330, 305], [0.0] * 5)]
 BUSY_AFTER = [([240, 250, 260, 255, 250], [0.7, 0.8, 0.85, 0.8, 0.75])]
 TWO_MIB = {"wrapper": "bucketed", "bucket_mb": 2}
-#: the review's table from another configuration: the sweep's last result (8 MiB)
+#: a table from another configuration: the sweep's last result (8 MiB)
 EIGHT_MIB_AFTER = {"step_ms": 389.7, "hidden": 0.0}
 
 
@@ -513,8 +513,8 @@ def test_the_target_message_starts_its_hint_with_a_capital(monkeypatch):
 
 
 def test_the_table_of_the_sweeps_last_configuration_earns_nothing_every_time(monkeypatch):
-    # the review's sweep filled REPORT from its loop's last result (8 MiB: one bucket for
-    # the model, which hides nothing) while TUNED named 2 MiB
+    # a sweep that fills REPORT from its loop's last result (8 MiB: one bucket for
+    # the model, which hides nothing) while TUNED names 2 MiB
     table = table_of(measure(BASELINE), measure({"wrapper": "bucketed", "bucket_mb": 8}))
     no_launch(monkeypatch)
     for _ in range(20):

@@ -143,7 +143,7 @@ def backward_in_forward_order(units, prefetch):
 
 
 def waits_right_after_each_gather(units, prefetch):
-    """The habit the learner review found passing: a wait at once after each gather, so
+    """A common habit that must not pass: a wait at once after each gather, so
     a prefetched AllGather is waited for before the unit ahead of it computes."""
     plan = []
     for a in right(units, prefetch):
