@@ -179,6 +179,17 @@ def _functions(obj):
         yield _unwrapped(obj)
 
 
+def _answer(obj):
+    """The functions an answer stands for (:func:`_functions`); a package (the cost model)
+    stands for what each of its modules defines too, its private helpers included."""
+    yield from _functions(obj)
+    if isinstance(obj, types.ModuleType) and hasattr(obj, "__path__"):
+        inside = obj.__name__ + "."
+        for value in list(vars(obj).values()):
+            if isinstance(value, types.ModuleType) and value.__name__.startswith(inside):
+                yield from _answer(value)
+
+
 def _unwrapped(fn):
     original = inspect.unwrap(fn)
     return original if inspect.isfunction(original) else fn
@@ -205,13 +216,13 @@ def code_objects(names) -> dict[types.CodeType, str]:
     allowed = {
         code
         for dotted in names if dotted.startswith("!")
-        for fn in _functions(_resolve(dotted[1:]))
+        for fn in _answer(_resolve(dotted[1:]))
         for code in _nested(fn.__code__)
     }  # fmt: skip
     for dotted in (n for n in names if not n.startswith("!")):
         obj = _resolve(dotted)
         tables = _table_entries(obj)
-        for fn in _functions(obj):
+        for fn in _answer(obj):
             own = fn.__qualname__.split(".<locals>")[0]  # a table's lambda: TABLE['key']
             own = tables.get(id(fn), own) if own == "<lambda>" else own
             label = (
@@ -972,7 +983,7 @@ def _answer_functions(names, codes: dict) -> list[tuple[types.FunctionType, str]
     each once."""
     found, seen = [], set()
     for dotted in (n for n in names if not n.startswith("!")):
-        for fn in _functions(_resolve(dotted)):
+        for fn in _answer(_resolve(dotted)):
             if id(fn) not in seen and fn.__code__ in codes:
                 seen.add(id(fn))
                 found.append((fn, codes[fn.__code__]))
