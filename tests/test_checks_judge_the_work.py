@@ -671,8 +671,9 @@ def _source(name: str) -> str:
 def _sources() -> dict:
     try:
         return {name: inspect.getsource(importlib.import_module(name)) for name in (
-            "overlapkit.collectives", "overlapkit.costmodel", "overlapkit.pipeline",
-            "overlapkit.sharded")}  # fmt: skip
+            "overlapkit.collectives", "overlapkit.costmodel.alphabeta",
+            "overlapkit.costmodel.collectives", "overlapkit.costmodel.data_parallel",
+            "overlapkit.pipeline", "overlapkit.sharded")}  # fmt: skip
     except OSError:  # imported inside a check's call: linecache is refused the kit's files
         return {}
 
@@ -685,7 +686,7 @@ def naive_from_a_recompiled_copy(tensor):
 
 
 def fit_from_a_recompiled_copy(sizes, times):
-    return _shadow("overlapkit.costmodel").fit_alpha_beta(sizes, times)
+    return _shadow("overlapkit.costmodel.alphabeta").fit_alpha_beta(sizes, times)
 
 
 def test_a_recompiled_copy_of_the_kit_is_still_its_answer():
@@ -1358,18 +1359,19 @@ def _recompiled_on_a_raw_thread(module, name, *args):
     import types
 
     copy = types.ModuleType(f"copy_of_{module.__name__.rsplit('.', 1)[-1]}")
+    copy.__package__ = module.__package__  # its relative imports (the cost model's)
     sys.modules[copy.__name__] = copy  # its dataclasses look themselves up there
     exec(compile("\n" * 3 + _source(module.__name__), "elsewhere.py", "exec"), copy.__dict__)
     return _on_a_raw_thread(getattr(copy, name), *args)
 
 
 def bytes_by_a_recompiled_copy_on_a_raw_thread(collective, nbytes, world):
-    return _recompiled_on_a_raw_thread(ok.costmodel, "bytes_moved_per_rank", collective, nbytes,
-                                       world)  # fmt: skip
+    return _recompiled_on_a_raw_thread(ok.costmodel.collectives, "bytes_moved_per_rank",
+                                       collective, nbytes, world)  # fmt: skip
 
 
 def buckets_by_a_recompiled_copy_on_a_raw_thread(sizes, bucket_mb):
-    return _recompiled_on_a_raw_thread(ok.costmodel, "ddp_buckets", sizes, bucket_mb)
+    return _recompiled_on_a_raw_thread(ok.costmodel.data_parallel, "ddp_buckets", sizes, bucket_mb)
 
 
 @pytest.mark.parametrize("check, fn, words", [

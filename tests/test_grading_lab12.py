@@ -288,7 +288,7 @@ def switches_the_watch_off_through_a_partial(units, prefetch):
     watch = sys.getprofile()
     functools.partial(sys.setprofile, None)()
     try:
-        path = ok.costmodel.__file__
+        path = ok.costmodel.sharding.__file__  # fsdp_step's module
         spec = importlib.util.spec_from_file_location("fresh_costmodel", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -300,7 +300,7 @@ def switches_the_watch_off_through_a_partial(units, prefetch):
 def loads_a_fresh_copy_of_the_kit_with_the_watch_on(units, prefetch):
     import importlib.util  # noqa: PLC0415
 
-    spec = importlib.util.spec_from_file_location("fresh_costmodel", ok.costmodel.__file__)
+    spec = importlib.util.spec_from_file_location("fresh_costmodel", ok.costmodel.sharding.__file__)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
     return right(units, prefetch)
 

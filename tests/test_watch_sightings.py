@@ -33,8 +33,8 @@ def _source_of(module, name: str) -> str:
 
 # the kit's answer pasted into the notebook (compiled anew there, under its own name), and
 # the same with its name changed: the one a learner copies from the kit's source
-_NAMESPACE = {**vars(ok.costmodel), "__name__": "__main__"}
-_FIT = _source_of(ok.costmodel, "fit_alpha_beta")
+_NAMESPACE = {**vars(ok.costmodel.alphabeta), "__name__": "__main__"}
+_FIT = _source_of(ok.costmodel.alphabeta, "fit_alpha_beta")
 exec(compile(_FIT, "<cell>", "exec"), _NAMESPACE)
 pasted = _NAMESPACE["fit_alpha_beta"]
 exec(compile(_FIT.replace("def fit_alpha_beta", "def fab"), "<cell>", "exec"), _NAMESPACE)
@@ -153,7 +153,7 @@ def test_the_watch_cannot_be_read_quieted_or_cut_off_unseen(fn, words):
 
 def reads_the_kits_source(sizes, times):
     source = inspect.getsource(ok.costmodel.fit_alpha_beta)  # through linecache
-    namespace = {**vars(ok.costmodel)}
+    namespace = {**vars(ok.costmodel.alphabeta)}
     exec(compile(source.replace("fit_alpha_beta", "fab"), "<mine>", "exec"), namespace)
     return namespace["fab"](sizes, times)
 
@@ -162,7 +162,7 @@ def opens_the_kits_file_through_a_link(sizes, times):
     import tempfile
 
     link = os.path.join(tempfile.mkdtemp(), "mine.py")
-    os.symlink(ok.costmodel.__file__, link)
+    os.symlink(ok.costmodel.alphabeta.__file__, link)
     with open(link) as f:
         return f.read()
 
@@ -171,7 +171,7 @@ def opens_the_kits_file_through_a_link(sizes, times):
     "fn, words",
     [
         (reads_the_kits_source, "OSError"),  # no source: linecache was refused it
-        (opens_the_kits_file_through_a_link, "opened the kit's own file costmodel.py"),
+        (opens_the_kits_file_through_a_link, "opened the kit's own file costmodel/alphabeta.py"),
     ],
     ids=lambda v: getattr(v, "__name__", ""),
 )
@@ -384,7 +384,7 @@ def schedule_compiled_on_torchs_interop_pool(stages, micro_batches):
     return got[0]
 """
 _UNWATCHED.update(
-    _FIT_SOURCE=_source_of(ok.costmodel, "fit_alpha_beta"),
+    _FIT_SOURCE=_source_of(ok.costmodel.alphabeta, "fit_alpha_beta"),
     _PIPELINE_SOURCE=Path(ok.pipeline.__file__).read_text(),
 )
 exec(compile(_UNWATCHED_SOURCE, "<notebook>", "exec", dont_inherit=True), _UNWATCHED)
