@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import collectives, costmodel
+from . import costmodel, ordering
 from .collectives import ring_all_gather, ring_all_reduce
 
 __all__ = ["Compressor", "Half", "TopK", "PowerSGD", "FromFunction", "orthogonalize"]
@@ -84,7 +84,7 @@ class Compressor:
         def work():
             self._reduce_bucket(flat, group, key, shapes, exact_tail)
 
-        handle = collectives.run_async(work, group, device=flat.device, outputs=[flat])
+        handle = ordering.run_async(work, group, device=flat.device, outputs=[flat])
         if not async_op:
             handle.wait()
             return None

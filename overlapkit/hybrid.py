@@ -29,7 +29,7 @@ whole pipeline has drained (a barrier of its pp group), then reduces; with ``"af
 every stage launches its buckets once its own last backward (and its send) is done, none
 during it. ``costmodel.hybrid_step`` predicts them.
 
-The kit's buckets carry their stage and index (``collectives.labelled``): two replicas that
+The kit's buckets carry their stage and index (``ordering.labelled``): two replicas that
 issue them in different orders get an error naming both ranks and both buckets, never each
 other's bytes.
 """
@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 from . import runtime
-from .collectives import buckets_by_size, labelled, ring_all_reduce
+from .collectives import buckets_by_size, ring_all_reduce
+from .ordering import labelled
 from .pipeline import PipelineStage, StepResult, make_schedule
 from .timeline import COMM, COMPUTE, Timeline, intersect, is_comm, length, union
 

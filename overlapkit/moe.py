@@ -36,7 +36,8 @@ import time
 
 import torch
 
-from .collectives import _ring, all_to_all, chunk_bounds
+from .collectives import all_to_all, chunk_bounds
+from .ordering import _ring
 from .p2p import CollectiveMismatchError
 
 __all__ = ["MoELayer", "make_moe", "reference_moe", "route", "exchange_counts", "AllToAll"]

@@ -36,7 +36,7 @@ were posted (as NCCL matches, and whatever tags say):
   ``dist.send`` calls, even while both are in flight on the same ranks.
 
 Kit collectives run one at a time per rank, in the order they were issued
-(see :mod:`overlapkit.collectives`); each one first tells its peers which
+(see :mod:`overlapkit.ordering`); each one first tells its peers which
 operation it is (number, op, size, dtype, issuing thread and line) and checks
 what its peers announced, so ranks that disagree get a clear error naming
 both calls instead of exchanging the wrong bytes.

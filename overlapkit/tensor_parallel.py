@@ -26,13 +26,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from .collectives import (
-    _ring,
-    chunk_bounds,
-    ring_all_gather,
-    ring_all_reduce,
-    ring_reduce_scatter,
-)
+from .collectives import chunk_bounds, ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from .ordering import _ring
 
 __all__ = [
     "ColumnParallelLinear",

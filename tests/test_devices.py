@@ -143,7 +143,7 @@ def test_each_group_has_one_communication_stream_per_device_made_once(monkeypatc
     groups, or a hybrid's dp and pp groups, never queue behind each other on one stream."""
     import torch
 
-    from overlapkit import collectives
+    from overlapkit import ordering
 
     made = []
 
@@ -152,10 +152,10 @@ def test_each_group_has_one_communication_stream_per_device_made_once(monkeypatc
             made.append(device)
 
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(collectives, "_cuda_streams", {})
-    ag0 = collectives.comm_stream("all_gather", "cuda:0")
-    assert collectives.comm_stream("all_gather", torch.device("cuda", 0)) is ag0
-    rs0 = collectives.comm_stream("reduce_scatter", "cuda:0")
-    ag1 = collectives.comm_stream("all_gather", "cuda:1")
+    monkeypatch.setattr(ordering, "_cuda_streams", {})
+    ag0 = ordering.comm_stream("all_gather", "cuda:0")
+    assert ordering.comm_stream("all_gather", torch.device("cuda", 0)) is ag0
+    rs0 = ordering.comm_stream("reduce_scatter", "cuda:0")
+    ag1 = ordering.comm_stream("all_gather", "cuda:1")
     assert len({id(ag0), id(rs0), id(ag1)}) == 3
     assert made == [torch.device("cuda", 0), torch.device("cuda", 0), torch.device("cuda", 1)]

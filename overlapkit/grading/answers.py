@@ -13,7 +13,7 @@ All of them run the same *code objects*. So a check watches those (the answer's 
 its classes' methods, and the functions nested in them) while the learner's function
 runs, and fails it when one starts: in the calling thread, in threads started meanwhile
 (``_thread``'s too), and in the kit's communication workers (an async op runs its task
-under the caller's watch, see ``collectives._Executor``). A copy compiled anew from the
+under the caller's watch, see ``ordering._Executor``). A copy compiled anew from the
 kit's source is recognised by what its code does (:func:`_key`); a copy edited a little
 (unused lines added, names changed, a code object renamed) by how much
 of the answer's instructions it holds, in order (:func:`_copy_of`). That takes an answer
@@ -85,8 +85,9 @@ ANSWERS: dict[str, tuple[str, ...]] = {
     # the whole module: its private helpers (_naive, _ring_reduce_scatter_flat, …) hold the
     # algorithms; chunk_bounds is the lab's own advice. And every ring of the kit's built of
     # messages: lab 11's decomposed matmuls with a 1×1 weight of ones are a ring AllGather
-    # and ReduceScatter
-    "from_scratch": ("collectives", "!collectives.chunk_bounds", "moe.AllToAll",
+    # and ReduceScatter. With them the issue order they run through (ordering: numbering,
+    # announcements, the communication worker), which no ring built of messages needs
+    "from_scratch": ("collectives", "!collectives.chunk_bounds", "ordering", "moe.AllToAll",
                      "training.builtin_all_reduce", "tensor_parallel"),
     # lab 01: an AllReduce built from a ReduceScatter and an AllGather (the kit's allowed),
     # never by the kit's whole AllReduce under another name (ok.ddp.ring_all_reduce)

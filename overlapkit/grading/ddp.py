@@ -113,7 +113,7 @@ def _run(report: Report, what: str, wrapper_cls, make_args, world: int, timeout:
 
 
 def _kit_ops_issued() -> int:
-    from ..collectives import _executor  # noqa: PLC0415 - the default group's kit stream
+    from ..ordering import _executor  # noqa: PLC0415 - the default group's kit stream
 
     return _executor(None)._issued
 

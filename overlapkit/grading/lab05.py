@@ -155,7 +155,7 @@ class _Probe:
         self.grad = grad  # the exercise's tensor: the AllReduce that overlaps must be its own
 
     def wrap(self, original):
-        from .. import collectives
+        from .. import ordering
 
         probe = self
 
@@ -170,9 +170,7 @@ class _Probe:
                 theirs = kwargs.get("timeline")
                 recorder = _Recorder(call, theirs)
                 kwargs["timeline"] = recorder
-            executor = collectives._executor(
-                kwargs.get("group", args[1] if len(args) > 1 else None)
-            )
+            executor = ordering._executor(kwargs.get("group", args[1] if len(args) > 1 else None))
             before = executor.collectives_issued
             result = original(tensor, *args, **kwargs)
             call.issued_op = executor.collectives_issued - before
@@ -311,7 +309,7 @@ def _run(fn_bytes: bytes, timed: bool, compute_s: float, hold_s: float):
         align(torch.zeros(world))
         # every kit op on the world's group is issued through its executor: ops the probe
         # did not see ran under another name (an alias, another module's import)
-        executor = ok.collectives._executor(None)
+        executor = ok.ordering._executor(None)
         issued = executor.collectives_issued
         t0 = _now()
         out = fn(grad, compute, timeline) if timed else fn(grad, compute)
