@@ -41,7 +41,6 @@ operation it is (number, op, size, dtype, issuing thread and line) and checks
 what its peers announced, so ranks that disagree get a clear error naming
 both calls instead of exchanging the wrong bytes.
 
-
 Every handle is honest: ``wait(timeout=)`` honours its timeout, and a handle
 never waited is reported when the launched function returns.
 
