@@ -48,6 +48,8 @@ import weakref
 
 import torch
 
+from . import plaindata
+
 _state = {"debug": os.environ.get("OVERLAPKIT_DEBUG_RACES", "") not in ("", "0")}
 _lock = threading.Lock()
 #: storage key -> [version the kit last saw, the guards in flight on that storage as
@@ -57,6 +59,7 @@ _lock = threading.Lock()
 _owned: dict = {}
 
 
+@plaindata.allow  # rebuilt by name from a distrusted rank's report
 class RaceError(RuntimeError):
     """A tensor was changed while a kit operation on it was in flight."""
 

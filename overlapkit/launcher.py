@@ -57,10 +57,12 @@ from . import _rank, handles, machine, p2p, plaindata, rankhook, runtime
 DEFAULT_TIMEOUT_S = 120.0
 
 
+@plaindata.allow  # each of these is rebuilt by name from a distrusted rank's report
 class LaunchError(RuntimeError):
     """A launch failed for a reason that is not the user's exception."""
 
 
+@plaindata.allow
 class RankFailedError(LaunchError):
     """A rank died (crash, signal, os._exit) or raised an exception that cannot be rebuilt here."""
 
@@ -70,6 +72,7 @@ class RankFailedError(LaunchError):
         self.died = died  # the process ended (crash, signal, os._exit), it did not raise
 
 
+@plaindata.allow
 class LaunchTimeoutError(LaunchError, TimeoutError):
     """``timeout`` passed while some ranks were still running; they were killed."""
 
@@ -78,6 +81,7 @@ class LaunchTimeoutError(LaunchError, TimeoutError):
         self.ranks = ranks
 
 
+@plaindata.allow
 class RemoteTraceback(Exception):
     """Carries the traceback of the rank where an exception was raised (shown as its cause)."""
 

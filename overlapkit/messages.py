@@ -8,12 +8,8 @@ A message through shared memory has a header of its own (:func:`overlapkit.shm.p
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from .kitops import Op
 
 #: a header through a process group: departed, bytes, op number, op signature
 _GROUP_HEADER = 4
@@ -53,7 +49,9 @@ _ANNOUNCE = struct.Struct("<qqH")
 _ANNOUNCE_BYTES = 512
 
 
-def _announcement(op: Op, device) -> torch.Tensor:
+def _announcement(op, device) -> torch.Tensor:
+    """``op``'s announcement (a :class:`overlapkit.kitops.Op`: its number, signature and
+    description) as a tensor on ``device``."""
     text = op.description.encode()[: _ANNOUNCE_BYTES - _ANNOUNCE.size]
     raw = _ANNOUNCE.pack(op.seq, op.signature, len(text)) + text
     buf = torch.zeros(_ANNOUNCE_BYTES, dtype=torch.uint8)

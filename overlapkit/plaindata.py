@@ -14,9 +14,9 @@ print a verdict there. Under :func:`distrust`, therefore:
   loader (its safety is PyTorch's to keep): tensors, numbers, strings, lists, tuples,
   dicts, None, and the data-only classes registered with :func:`allow` — no other class,
   so not a ``float`` subclass whose ``__sub__`` always agrees either;
-* an exception is rebuilt from its type's name, among the built-in exceptions, the
-  launcher's and the ones registered with :func:`allow` (:func:`rebuild_exception`),
-  with the rank's text; never unpickled.
+* an exception is rebuilt from its type's name, among the built-in exceptions and the
+  ones registered with :func:`allow` (the launcher's, the race guard's, ...)
+  (:func:`rebuild_exception`), with the rank's text; never unpickled.
 
 What this does not cover: code that runs as the same user can still change files and
 other processes of that user.
@@ -133,22 +133,12 @@ def message(data: bytes):
 
 
 def _exception_types() -> dict[str, type]:
-    from . import inflight, launcher  # noqa: PLC0415
-
     found = {
         name: obj
         for name, obj in vars(builtins).items()
         if isinstance(obj, type) and issubclass(obj, Exception)
     }
     found.update({c.__name__: c for c in _allowed if issubclass(c, Exception)})
-    for module in (launcher, inflight):
-        for name, obj in vars(module).items():
-            if (
-                isinstance(obj, type)
-                and issubclass(obj, Exception)
-                and obj.__module__ == module.__name__
-            ):
-                found[name] = obj
     return found
 
 
