@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import hashlib
 import queue
 import re
@@ -316,9 +317,10 @@ class _Executor:
 
 
 def _profile_to_carry():
-    """The issuing thread's profile function, when it asks to be carried to the worker
-    (``propagates``: a check's watch for the kit's own answers, ``grading.answers``):
-    ``sys.setprofile`` is per thread, and an async op's task runs on the worker."""
+    """The issuing thread's profile function, when it asks to follow the work it sees to
+    the worker (an attribute ``propagates`` that is true): ``sys.setprofile`` is per
+    thread, and an async op's task runs on the worker. Others (cProfile's, a debugger's)
+    stay with their thread."""
     profile = sys.getprofile()
     return profile if getattr(profile, "propagates", False) else None
 
@@ -396,6 +398,27 @@ def _executor(group) -> _Executor:
         if name not in _executors:
             _executors[name] = _Executor(name)
         return _executors[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class Issued:
+    """How many kit operations this rank has issued on a group so far (:func:`issued`)."""
+
+    ops: int  # collectives and run_async's functions
+    collectives: int  # of them, collectives
+
+
+def issued(group=None) -> Issued:
+    """How many kit operations this rank has issued on ``group`` (default: the default
+    group) so far: take it before and after a piece of code for what that code issued."""
+    executor = _executor(group)
+    return Issued(ops=executor._issued, collectives=executor.collectives_issued)
+
+
+def worker_code():
+    """The code of the communication worker's loop, the frame below every async op's task
+    on its thread: for tools that walk a worker's stack, or start one's tracing there."""
+    return _Executor._loop.__code__
 
 
 def _run(name: str, fn, tensor: torch.Tensor, group, async_op: bool, check: bool,

@@ -54,6 +54,7 @@ message's handle (:mod:`overlapkit.transfers`), the bytes through shared memory
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -61,14 +62,12 @@ import torch.distributed as dist
 
 # `name as name`: re-exported, for the kit's modules, checks and tests that use it from here
 from . import groups, inbox, routes, shmlink
-from .groups import _BEGIN_TAG, _pg_recv, _pg_send, _staged
+from .groups import _BEGIN_TAG, _kit_group, _pg_recv, _pg_send, _staged, user_stream_ops
 from .groups import KIT as KIT
 from .groups import KIT_DATA_TAG as KIT_DATA_TAG
 from .groups import KIT_TAG as KIT_TAG
 from .groups import USER as USER
 from .groups import _group_name as _group_name
-from .groups import _kit_group as _kit_group
-from .groups import user_stream_ops as user_stream_ops
 from .inbox import EAGER_BYTES as EAGER_BYTES
 from .inbox import _Receive
 from .inbox import _SharedInbox as _SharedInbox
@@ -178,9 +177,29 @@ def irecv(tensor: torch.Tensor, src: int, group=None):
 _sent_bytes = [0]
 
 
-def bytes_sent() -> int:
-    """The bytes this process has sent through the kit so far (a check's byte budget)."""
-    return _sent_bytes[0]
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """What this process has sent through the kit so far (:func:`stats`)."""
+
+    #: bytes of the kit's messages, as stored (the collectives' announcements aside)
+    bytes_sent: int
+    #: messages the kit sent or received on torch's own process groups (``ok.p2p`` calls
+    #: without a link, on the CPU): each counts one in that group's sequence number, so
+    #: they tell the kit's messages from ``torch.distributed``'s own calls there
+    user_group_messages: int
+
+
+def stats() -> Stats:
+    """What this process has sent through the kit so far: take it before and after a piece
+    of code for what that code sent."""
+    return Stats(bytes_sent=_sent_bytes[0], user_group_messages=user_stream_ops())
+
+
+def open_groups(group=None) -> None:
+    """Make the kit's own process group over ``group``'s ranks now, on every rank of it
+    (each makes it otherwise at its first kit collective there): a benchmark then times no
+    connection set-up, and nothing later opens one."""
+    _kit_group(group)
 
 
 def _isend(tensor: torch.Tensor, dst: int, group, state: _LinkState | None, tag=KIT_TAG):

@@ -13,7 +13,7 @@ All of them run the same *code objects*. So a check watches those (the answer's 
 its classes' methods, and the functions nested in them) while the learner's function
 runs, and fails it when one starts: in the calling thread, in threads started meanwhile
 (``_thread``'s too), and in the kit's communication workers (an async op runs its task
-under the caller's watch, see ``ordering._Executor``). A copy compiled anew from the
+under the caller's watch, see ``ordering.worker_code``). A copy compiled anew from the
 kit's source is recognised by what its code does (:func:`_key`); a copy edited a little
 (unused lines added, names changed, a code object renamed) by how much
 of the answer's instructions it holds, in order (:func:`_copy_of`). That takes an answer

@@ -225,7 +225,7 @@ def builtin_collectives():
     from .. import p2p  # noqa: PLC0415
 
     found = []
-    before, kit_before = group_ops(), p2p.user_stream_ops()
+    before, kit_before = group_ops(), p2p.stats().user_group_messages
     with (
         recorded_calls(dist, [n for n in _BUILTINS if hasattr(dist, n)],
                        prefix="torch.distributed.") as named,
@@ -237,7 +237,8 @@ def builtin_collectives():
         finally:
             after = group_ops()
             ops = sum(n - before.get(g, 0) for g, n in after.items())
-            unnamed = ops - (p2p.user_stream_ops() - kit_before) - len(named) - len(named_c10d)
+            kit = p2p.stats().user_group_messages - kit_before
+            unnamed = ops - kit - len(named) - len(named_c10d)
             found += named + named_c10d
             if unnamed > 0:
                 found.append(f"{unnamed} more operation(s) on torch's process groups, not "

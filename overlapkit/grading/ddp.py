@@ -113,9 +113,9 @@ def _run(report: Report, what: str, wrapper_cls, make_args, world: int, timeout:
 
 
 def _kit_ops_issued() -> int:
-    from ..ordering import _executor  # noqa: PLC0415 - the default group's kit stream
+    from ..ordering import issued  # noqa: PLC0415 - on the default group's kit stream
 
-    return _executor(None)._issued
+    return issued().ops
 
 
 class _Calls:

@@ -170,10 +170,10 @@ class _Probe:
                 theirs = kwargs.get("timeline")
                 recorder = _Recorder(call, theirs)
                 kwargs["timeline"] = recorder
-            executor = ordering._executor(kwargs.get("group", args[1] if len(args) > 1 else None))
-            before = executor.collectives_issued
+            group = kwargs.get("group", args[1] if len(args) > 1 else None)
+            before = ordering.issued(group).collectives
             result = original(tensor, *args, **kwargs)
-            call.issued_op = executor.collectives_issued - before
+            call.issued_op = ordering.issued(group).collectives - before
             call.returned = _now()  # on a loaded machine, well after the issue began
             if result is not None:
                 call.handle = result
@@ -309,12 +309,11 @@ def _run(fn_bytes: bytes, timed: bool, compute_s: float, hold_s: float):
         align(torch.zeros(world))
         # every kit op on the world's group is issued through its executor: ops the probe
         # did not see ran under another name (an alias, another module's import)
-        executor = ok.ordering._executor(None)
-        issued = executor.collectives_issued
+        issued = ok.ordering.issued().collectives
         t0 = _now()
         out = fn(grad, compute, timeline) if timed else fn(grad, compute)
         returned = _now()
-        unprobed = executor.collectives_issued - issued - sum(c.issued_op for c in probe.calls)
+        unprobed = ok.ordering.issued().collectives - issued - sum(c.issued_op for c in probe.calls)
 
     def rel(t):
         return None if t is None else t - t0

@@ -71,7 +71,7 @@ def _run(topk_with_feedback, numel, fraction, shared, seed):
     for grad in grads:
         flat = grad.clone()
         given = residual.clone()
-        sent = p2p.bytes_sent()
+        sent = p2p.stats().bytes_sent
         try:
             with torch.no_grad():
                 returned = topk_with_feedback(flat, residual, fraction)
@@ -87,7 +87,7 @@ def _run(topk_with_feedback, numel, fraction, shared, seed):
                 ) from exc
             raise
         record = {"flat": flat.clone(), "unwaited": handles.take_unwaited(),
-                  "sent": p2p.bytes_sent() - sent}  # fmt: skip
+                  "sent": p2p.stats().bytes_sent - sent}  # fmt: skip
         if isinstance(returned, torch.Tensor) and _same_storage(returned, flat):
             record["residual"] = "flat itself (the same storage)"
         elif isinstance(returned, torch.Tensor) and returned.shape == flat.shape:

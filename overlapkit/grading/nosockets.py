@@ -80,7 +80,7 @@ def forbid_new_sockets(no_exec: bool = False) -> bool:
         return False
     from .. import p2p  # noqa: PLC0415
 
-    p2p._kit_group(None)  # the kit's collectives' own: made now
+    p2p.open_groups()  # the kit's collectives' own: made now
     arch, socket, socketpair, seccomp = numbers
     extra = _EXEC[platform.machine()] if no_exec else ()
     code = _program(arch, socket, socketpair, *_IPC[platform.machine()], *extra)

@@ -279,10 +279,10 @@ def _guard_the_call(files: bool = True) -> None:
 
     # the code that puts a new thread under the watch: threading's start, and answers'
     raw = answers._raw_threads_watched.__wrapped__.__code__
-    from ..ordering import _Executor  # noqa: PLC0415
+    from ..ordering import worker_code  # noqa: PLC0415
 
     takes_the_watch_on = {threading.Thread._bootstrap_inner.__code__, *_nested_code(raw, "run"),
-                          _Executor._loop.__code__}  # fmt: skip
+                          worker_code()}  # fmt: skip
     calls_c = answers.library()[1]
 
     def inside() -> bool:

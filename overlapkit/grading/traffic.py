@@ -117,7 +117,10 @@ def recording(kit_collectives_are_builtins: bool = True, payloads: bool = False)
     # the learner's code can reach ``traffic`` (current()): what it records goes into a copy
     # of its own too, which is what the check gets, and a difference says it was changed
     kept = Traffic()
-    count_ops, kit_ops = group_ops, p2p.user_stream_ops  # as they are now, not as patched later
+    count_ops, kit_stats = group_ops, p2p.stats  # as they are now, not as patched later
+
+    def kit_ops():
+        return kit_stats().user_group_messages
 
     # an operation left running (an async op never waited) may still add from its thread
     # while the record is compared: both copies change together, never one alone
