@@ -32,8 +32,6 @@ import atexit
 import contextlib
 import dataclasses
 import importlib
-import io
-import linecache
 import multiprocessing as mp
 import multiprocessing.connection
 import multiprocessing.spawn
@@ -42,17 +40,25 @@ import pickle
 import re
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
-import types
 import warnings
 
 import cloudpickle
 import torch.distributed as dist
 
 from . import _rank, handles, machine, p2p, plaindata, rankhook, runtime
+from .forking import PRELOAD as PRELOAD
+from .forking import _forkserver, _landed, _ranks_skip_main, _start_lock
+from .forking import _interrupts_after as _interrupts_after
+from .forking import dumps_keeping_filenames as dumps_keeping_filenames
+from .forking import preload as preload
+from .forking import shutdown as shutdown
+from .rankoutput import _DUMP_HEADER, _format_frames, _read, _strip_dumps, _where_hung
+from .rankoutput import hide_frames_from as hide_frames_from
+from .rankoutput import last_words as last_words
+from .rankoutput import print_rank_output as print_rank_output
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -106,139 +112,10 @@ def heard() -> tuple[dict[int, list[bytes]], set[int]] | None:
     return getattr(_last, "heard", None)
 
 
-# --------------------------------------------------------------------------- forkserver
-
-_context_lock = threading.Lock()
-_context = None
-_served: list[str] = []  # what the running forkserver was started with
-#: what the forkserver imports before it forks a rank (:func:`preload` adds to it)
-PRELOAD = ["overlapkit._preload"]
-_in_flight = 0  # launches whose ranks are being started or are running
-
-
-def preload(module: str) -> None:
-    """Have every rank forked from now on inherit ``module`` imported: the forkserver
-    imports it before it forks. A forkserver already running without it is replaced at
-    the next launch that finds no other launch in flight (that launch is cold); until
-    then each rank imports it itself."""
-    with _context_lock:
-        if module not in PRELOAD:
-            PRELOAD.append(module)
-
-
-def _forkserver(starting: bool = False):
-    """The multiprocessing context whose server has torch (and :data:`PRELOAD`) loaded.
-    ``starting``: a launch starts its ranks from it (counted until :func:`_landed`)."""
-    global _context, _in_flight
-    with _context_lock:
-        if _context is not None and _served != PRELOAD and _in_flight == 0:
-            shutdown()  # it lacks a module registered since it started
-            _context = None
-        if _context is None:
-            ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(list(PRELOAD))
-            _served[:] = PRELOAD
-            _context = ctx
-        _in_flight += starting
-        return _context
-
-
-def _landed() -> None:
-    """A launch counted by ``_forkserver(starting=True)`` has stopped its ranks."""
-    global _in_flight
-    with _context_lock:
-        _in_flight -= 1
-
-
-def shutdown() -> None:
-    """Stop the forkserver (the next launch starts a new one: a *cold* launch)."""
-    from multiprocessing import forkserver
-
-    server = forkserver._forkserver
-    stop = getattr(server, "_stop", None)
-    if stop is not None:
-        stop()
-
-
-@contextlib.contextmanager
-def _interrupts_after():
-    """Ctrl-C (SIGINT) waits until the block is done: a rank whose start it cut short
-    was forked, but its Process never learnt its pid, so nothing could stop it (its
-    caller then waited on it at exit: a hang). Python runs signal handlers in the main
-    thread only, so only there is the handler swapped; a Ctrl-C that came meanwhile is
-    then handed to the handler that was there before."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    came = []
-    try:
-        before = signal.signal(signal.SIGINT, lambda signum, frame: came.append(frame))
-    except ValueError:  # not the main interpreter
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, before)
-    if came:
-        if callable(before):
-            before(signal.SIGINT, came[0])
-        elif before == signal.SIG_DFL:
-            raise KeyboardInterrupt
-
-
-@contextlib.contextmanager
-def _ranks_skip_main():
-    # multiprocessing re-runs the caller's __main__ in every child so that
-    # functions pickled by reference can be found. Ours travel by value, and
-    # re-running a script's top level in each rank would launch ranks again.
-    original = mp.spawn.get_preparation_data
-
-    def without_main(name):
-        data = original(name)
-        data.pop("init_main_from_path", None)
-        data.pop("init_main_from_name", None)
-        return data
-
-    mp.spawn.get_preparation_data = without_main
-    try:
-        yield
-    finally:
-        mp.spawn.get_preparation_data = original
-
-
-_start_lock = threading.Lock()
-
-
-class _FilenamePickler(cloudpickle.Pickler):
-    """cloudpickle, but code objects keep their file name.
-
-    cloudpickle 3 renames the file of by-value code to ``<dynamic-code>``; the
-    real name (a notebook cell's) lets tracebacks and hang reports point at the
-    learner's line.
-    """
-
-    def reducer_override(self, obj):
-        if isinstance(obj, types.CodeType) and _code_reduce is not None:
-            rebuild, args = _code_reduce(obj)
-            args = tuple(obj.co_filename if a == "<dynamic-code>" else a for a in args)
-            return rebuild, args
-        return super().reducer_override(obj)
-
-
-_code_reduce = getattr(getattr(cloudpickle, "cloudpickle", None), "_code_reduce", None)
-
-
 def _shm_root() -> str | None:
     """Where the emulated link's bytes go (:func:`overlapkit.machine.shm_root`): None means
     a temporary folder."""
     return machine.shm_root(os.environ)
-
-
-def dumps_keeping_filenames(obj) -> bytes:
-    buf = io.BytesIO()
-    _FilenamePickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(obj)
-    return buf.getvalue()
 
 
 # --------------------------------------------------------------------------- launch
@@ -589,96 +466,6 @@ def _await_dumps(spec: _rank.RankSpec, ranks: list[int], limit_s: float = 1.0) -
     time.sleep(0.05)  # let the dump finish writing its last frames
 
 
-# --------------------------------------------------------------------------- output
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-    except FileNotFoundError:
-        return ""
-
-
-def print_rank_output(logs: list[str], file=None) -> None:
-    """Print each rank's output, every line prefixed by its rank, ranks in order."""
-    file = file if file is not None else sys.stdout
-    width = len(str(len(logs) - 1))
-    for r, text in enumerate(logs):
-        for line in text.splitlines():
-            print(f"[rank {r:>{width}}] {line}", file=file)
-    file.flush()
-
-
-#: files whose frames are the kit's plumbing, hidden from the learner's tracebacks
-_PLUMBING: set[str] = {os.path.abspath(_rank.__file__)}
-
-
-def hide_frames_from(path: str) -> None:
-    """Hide frames of ``path`` (a kit module that wraps the learner's code) from reports."""
-    _PLUMBING.add(os.path.abspath(path))
-
-
-def _is_plumbing(path: str) -> bool:
-    return os.path.abspath(path) in _PLUMBING
-
-
-_DUMP_HEADER = re.compile(
-    r"^(Current thread|Thread) 0x[0-9a-f]+ .*\(most recent call first\):$", re.M
-)
-_DUMP_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<name>\S+)$')
-
-
-def _dump_blocks(text: str) -> list[tuple[int, int]]:
-    starts = [m.start() for m in _DUMP_HEADER.finditer(text)]
-    blocks = []
-    for i, s in enumerate(starts):
-        end = starts[i + 1] if i + 1 < len(starts) else len(text)
-        blocks.append((s, end))
-    return blocks
-
-
-def _strip_dumps(text: str) -> str:
-    """The rank's own output without the faulthandler dump we asked for."""
-    blocks = _dump_blocks(text)
-    return text[: blocks[0][0]] if blocks else text
-
-
-def _where_hung(text: str, depth: int = 6) -> str:
-    """The innermost frames of the rank's main thread, with source lines where we know them.
-
-    faulthandler prints only file/line/function; the caller's linecache knows
-    the source of notebook cells, so the learner sees the line that hangs.
-    """
-    rank_py = os.path.abspath(_rank.__file__)
-    for start, end in _dump_blocks(text):
-        frames = []
-        for line in text[start:end].splitlines()[1:]:
-            m = _DUMP_FRAME.match(line)
-            if m:
-                frames.append((m["file"], int(m["line"]), m["name"]))
-        if not any(os.path.abspath(f) == rank_py for f, _, _ in frames):
-            continue  # not the main thread
-        user = []
-        for f, n, name in frames:  # innermost first
-            if os.path.abspath(f) == rank_py:
-                break
-            if not _is_plumbing(f):
-                user.append((f, n, name))
-        # the kit's own frames (a p2p wait, say) would push the learner's line out of
-        # view: show where the rank waits inside the kit, then the learner's frames
-        kit = os.path.dirname(os.path.abspath(__file__)) + os.sep
-        outside = [fr for fr in user if not os.path.abspath(fr[0]).startswith(kit)]
-        if outside and outside[0] is not user[0]:
-            user = [user[0], *outside]
-        lines = []
-        for f, n, name in user[:depth]:
-            src = linecache.getline(f, n).strip()
-            lines.append(f'  File "{f}", line {n}, in {name}' + (f"\n    {src}" if src else ""))
-        return "\n".join(lines) if lines else "  (no Python frame: it was starting up)"
-    return "  (the rank did not answer the request for its stack)"
-
-
 def _timeout_error(running, world, timeout, stacks) -> LaunchTimeoutError:
     names = ", ".join(map(str, running))
     done = [r for r in range(world) if r not in running]
@@ -696,32 +483,6 @@ def _timeout_error(running, world, timeout, stacks) -> LaunchTimeoutError:
     for r in running:
         parts.append(f"rank {r} was here (innermost call first):\n{stacks[r]}")
     return LaunchTimeoutError("\n".join(parts), running)
-
-
-def _format_frames(frames) -> str:
-    lines = ["Traceback (most recent call last):"]
-    for filename, lineno, name, line in frames:
-        if _is_plumbing(filename):
-            continue
-        # the rank had no source for notebook cells; this kernel does
-        line = line or linecache.getline(filename, lineno).strip()
-        lines.append(f'  File "{filename}", line {lineno}, in {name}')
-        if line:
-            lines.append(f"    {line}")
-    return "\n".join(lines)
-
-
-#: lines of a dying process's output that say why (C++ exceptions, gloo/NCCL checks)
-_LAST_WORDS = re.compile(r"what\(\)|terminate called|Error|error|enforce fail|Aborted")
-
-
-def last_words(log: str) -> str:
-    """The last line of a rank's output that says why it died ('' when none does)."""
-    lines = [line.strip() for line in log.splitlines() if line.strip()]
-    for line in reversed(lines):
-        if _LAST_WORDS.search(line):
-            return line.removeprefix("what():").strip()
-    return ""
 
 
 def _rebuild_failure(outcome: _Outcome, world: int, logs=()) -> BaseException:
