@@ -204,7 +204,6 @@ def main(spec: RankSpec, rank: int, conn, heard=None) -> None:
         for module in spec.preload:  # inherited from the forkserver, or (where it was
             importlib.import_module(module)  # started before they were asked for) here
         fn, args, kwargs, hook = cloudpickle.loads(spec.payload)
-        around = contextlib.nullcontext() if hook is None else hook.around()
         if spec.private is not None:
             kwargs = {**kwargs, **cloudpickle.loads(spec.private)}
         store = dist.FileStore(spec.store_path, spec.world_size)
@@ -221,7 +220,7 @@ def main(spec: RankSpec, rank: int, conn, heard=None) -> None:
         dist.barrier()
         p2p.use_shared_memory(spec.shm_dir)
         p2p.set_link(spec.link)
-        with around:
+        with contextlib.nullcontext() if hook is None else hook.around():
             value = fn(*args, **kwargs)
         handles.report_unwaited()  # an op started and never waited is named, not hidden
         message = ("ok", plaindata.dumps(value) if spec.plain else dumps_result(value))

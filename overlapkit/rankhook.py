@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 
 from . import _rank
 
@@ -70,8 +71,6 @@ def this_rank() -> ThisRank | None:
     spec = _rank.spec_of_this_rank
     if not _rank.launched or spec is None:
         return None
-    import os  # noqa: PLC0415
-
     return ThisRank(
         rank=int(os.environ["OVERLAPKIT_RANK"]),
         world_size=spec.world_size,
