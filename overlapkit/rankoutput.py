@@ -66,19 +66,35 @@ def _strip_dumps(text: str) -> str:
     return text[: blocks[0][0]] if blocks else text
 
 
+def _frames(text: str, start: int, end: int) -> list[tuple[str, int, str]]:
+    """(file, line, function) of one thread's dump, innermost first."""
+    frames = []
+    for line in text[start:end].splitlines()[1:]:
+        m = _DUMP_FRAME.match(line)
+        if m:
+            frames.append((m["file"], int(m["line"]), m["name"]))
+    return frames
+
+
+def _show(frames, depth: int) -> str:
+    lines = []
+    for f, n, name in frames[:depth]:
+        src = linecache.getline(f, n).strip()
+        lines.append(f'  File "{f}", line {n}, in {name}' + (f"\n    {src}" if src else ""))
+    return "\n".join(lines)
+
+
 def _where_hung(text: str, depth: int = 6) -> str:
-    """The innermost frames of the rank's main thread, with source lines where we know them.
+    """The innermost frames of the rank's main thread, with source lines where we know them;
+    when it waits for an asynchronous kit operation, also where the communication worker
+    running that operation is (the wait ends only when the worker does).
 
     faulthandler prints only file/line/function; the caller's linecache knows
     the source of notebook cells, so the learner sees the line that hangs.
     """
     rank_py = os.path.abspath(_rank.__file__)
-    for start, end in _dump_blocks(text):
-        frames = []
-        for line in text[start:end].splitlines()[1:]:
-            m = _DUMP_FRAME.match(line)
-            if m:
-                frames.append((m["file"], int(m["line"]), m["name"]))
+    threads = [_frames(text, start, end) for start, end in _dump_blocks(text)]
+    for frames in threads:
         if not any(os.path.abspath(f) == rank_py for f, _, _ in frames):
             continue  # not the main thread
         user = []
@@ -93,12 +109,23 @@ def _where_hung(text: str, depth: int = 6) -> str:
         outside = [fr for fr in user if not os.path.abspath(fr[0]).startswith(kit)]
         if outside and outside[0] is not user[0]:
             user = [user[0], *outside]
-        lines = []
-        for f, n, name in user[:depth]:
-            src = linecache.getline(f, n).strip()
-            lines.append(f'  File "{f}", line {n}, in {name}' + (f"\n    {src}" if src else ""))
-        return "\n".join(lines) if lines else "  (no Python frame: it was starting up)"
+        shown = _show(user, depth) or "  (no Python frame: it was starting up)"
+        if any(_is_ordering(f) and name == "_wait" for f, _, name in frames):
+            for worker in threads:
+                # a worker's outermost kit frame is its loop; one idle in it runs nothing
+                if (
+                    worker
+                    and worker[0][2] != "_loop"
+                    and any(_is_ordering(f) and name == "_loop" for f, _, name in worker)
+                ):
+                    shown += ("\n  ... waiting for an operation that its communication "
+                              f"worker runs, which was here:\n{_show(worker, depth)}")  # fmt: skip
+        return shown
     return "  (the rank did not answer the request for its stack)"
+
+
+def _is_ordering(path: str) -> bool:
+    return os.path.basename(path) == "ordering.py"
 
 
 def _format_frames(frames) -> str:

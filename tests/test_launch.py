@@ -160,6 +160,23 @@ def test_timeout_names_only_the_ranks_still_running():
     assert "time.sleep(60)" in str(info.value)
 
 
+def _waits_for_an_async_op_that_sleeps():
+    def the_async_work():
+        if ok.rank() == 0:
+            time.sleep(60)  # the line the report must reach
+
+    ok.collectives.run_async(the_async_work).wait()
+
+
+def test_a_hang_in_an_async_op_shows_where_the_communication_worker_is():
+    with pytest.raises(ok.LaunchTimeoutError) as info:
+        ok.launch(_waits_for_an_async_op_that_sleeps, world_size=2, timeout=6)
+    message = str(info.value)
+    assert "run_async(the_async_work).wait()" in message  # where the rank waits
+    worker = message.split("its communication worker runs, which was here:")[1]
+    assert "time.sleep(60)  # the line the report must reach" in worker
+
+
 def test_thirty_consecutive_launches_leak_neither_processes_nor_fds():
     ok.launch(_sum_of_ranks, 1, world_size=2)  # the forkserver's own fds exist from here on
     before = open_fds()
