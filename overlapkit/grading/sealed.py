@@ -19,7 +19,9 @@ and none of this runs.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
+import gc
 import importlib
 import os
 import sys
@@ -285,12 +287,14 @@ def _guard_the_call(files: bool = True) -> None:
                           worker_code()}  # fmt: skip
     calls_c = answers.library()[1]
 
+    frames_of_threads = _frames_of_threads()
+
     def inside() -> bool:
         """Is the learner's call running (seen from the thread that runs it)?"""
         if threading.get_ident() == main:
             frame = sys._getframe(2)
         else:
-            frame = sys._current_frames().get(main)
+            frame = frames_of_threads().get(main)
         while frame is not None:
             if frame.f_code is marker:
                 return True
@@ -371,6 +375,32 @@ def _guard_the_call(files: bool = True) -> None:
             raise RuntimeError(_REFUSED[-1])
 
     sys.addaudithook(hook)
+
+
+def _frames_of_threads():
+    """``sys._current_frames``, safe to call from any thread at any time. Up to Python 3.11
+    it holds the interpreter's lock on its list of threads while it makes frame objects;
+    a garbage collection that one of those allocations starts may free a thread-local,
+    which takes that lock again, and the process freezes for good (CPython gh-106883: a
+    thread started while a check runs could freeze its rank so). There the
+    collector pauses for the call, one caller at a time so that none turns it back on
+    under another; the lock is re-entrant, and a nested caller leaves it off."""
+    frames = sys._current_frames
+    if sys.version_info >= (3, 12):  # collections start only between instructions there
+        return frames
+    lock, isenabled, disable, enable = _thread.RLock(), gc.isenabled, gc.disable, gc.enable
+
+    def paused():
+        with lock:
+            was = isenabled()
+            disable()
+            try:
+                return frames()
+            finally:
+                if was:
+                    enable()
+
+    return paused
 
 
 _LINE_READERS = (os.sep + "linecache.py", os.sep + "tokenize.py")
