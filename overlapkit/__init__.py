@@ -64,7 +64,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # the checks load on first use (``ok.grading.check_...``): a plain import or launch
     # loads and preloads nothing of them
-    if name in ("grading", "grade"):
+    if name in ("grading", "grade", "sandbox"):
         import importlib  # noqa: PLC0415
 
         return importlib.import_module(f"{__name__}.{name}")

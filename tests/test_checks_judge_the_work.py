@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 import overlapkit as ok
-from overlapkit.grading import answers, nofiles
+from overlapkit.sandbox import answers, nofiles
 
 from .conftest import failed_with as _failed_with
 from .conftest import soak_runs
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("no_leftover_ranks")
 
 
-#: where Landlock holds (grading.nofiles), the store cannot be reached at all; elsewhere
+#: where Landlock holds (sandbox.nofiles), the store cannot be reached at all; elsewhere
 #: lab 09's count of the values that went through the kit still names it
 _NO_FILES = "share no file" if nofiles.abi() else "averaged by another door"
 
@@ -1389,7 +1389,7 @@ def test_a_thread_started_under_the_watch_is_no_tampering_and_stays_watched():
     calls sys.setprofile), and threading._profile_hook = None leaves none unwatched."""
     import threading
 
-    from overlapkit.grading import answers
+    from overlapkit.sandbox import answers
 
     with answers.running(answers.of("check_bytes_moved")) as ran:
         t = threading.Thread(target=lambda: None)

@@ -4,7 +4,7 @@ behind. Each forgery scores 0 for its exercise; the honest exercise beside it sc
 
 Uses the tiny two-exercise lab of tests/tinylab.py (1F1B schedule + bucket assignment,
 3 points each), whose checks call the learner's function in the judge's place: on a rank
-of its own (``overlapkit.grading.sealed``).
+of its own (``overlapkit.sandbox.sealed``).
 """
 
 import contextlib
@@ -421,7 +421,7 @@ def test_the_kits_own_answer_under_another_name_scores_zero_also_in_the_judge(ch
     import cloudpickle
 
     import overlapkit as ok
-    from overlapkit.grading.sealed import Sealed
+    from overlapkit.sandbox.sealed import Sealed
 
     fn = _in_a_notebook(source)
     for learner in (fn, Sealed(fn.__name__, cloudpickle.dumps(fn))):
@@ -467,7 +467,7 @@ def test_under_the_grader_only_what_the_witness_measured_counts_as_measured(tmp_
 
 def test_the_witness_refuses_a_configuration_the_lab_does_not_take_and_goes_on():
     """What the kernel sends the witness is a request, checked like measure()'s argument."""
-    from overlapkit.grading import witness  # noqa: PLC0415
+    from overlapkit.sandbox import witness  # noqa: PLC0415
 
     with witness.Witness() as w, pytest.MonkeyPatch.context() as mp:
         mp.setenv(witness.ENV, w.path)
@@ -513,7 +513,7 @@ def test_a_function_that_ends_its_rank_is_not_called_again_case_after_case(tmp_p
     import cloudpickle
 
     import overlapkit as ok
-    from overlapkit.grading.sealed import Sealed
+    from overlapkit.sandbox.sealed import Sealed
 
     calls = tmp_path / "calls"
     fn = _in_a_notebook(

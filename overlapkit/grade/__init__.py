@@ -19,7 +19,7 @@ For each notebook:
 runs in the process that decides a verdict: the judge starts with ``python -I`` in an empty
 folder and imports the kit first; it never unpickles the student's objects (functions stay
 sealed bytes that unpickle only on ranks; a single-process exercise is called on a rank of
-its own, :mod:`overlapkit.grading.sealed`; data is read with PyTorch's weights-only
+its own, :mod:`overlapkit.sandbox.sealed`; data is read with PyTorch's weights-only
 loader); ranks' values and exceptions come back as plain data
 (:mod:`overlapkit.plaindata`); the report travels over a pipe only the judge holds, with a
 secret the grader sent it, from a process other processes of the user may not inspect.
@@ -27,7 +27,7 @@ Not covered: student code runs as the grader's user, so it *can* rewrite the kit
 labs or the Python environment; the grader notices that (:mod:`.tamper`) and stops with
 exit status 3, but the defence is to run the kernel where it cannot write them (a
 container per submission, as Gradescope does, or a user of its own). While the student's
-code runs on a check's rank, the rank opens no socket (:mod:`overlapkit.grading.nosockets`):
+code runs on a check's rank, the rank opens no socket (:mod:`overlapkit.sandbox.nosockets`):
 no process group of the student's own carries data past the kit's records. Verdicts that
 rest on what a rank reports about itself (its traffic, its timings) are as honest as the
 code on that rank; the checks cross-check them where they can (values moved, payloads,

@@ -6,10 +6,10 @@ The judge process decides the verdict, so nothing of the student's runs in it:
   an empty folder of its own, with no folder of the student's on ``sys.path``, and
   imports the kit before it reads anything the notebook left;
 * it never unpickles the student's objects: data (a table, a configuration, and what the
-  grader's witness saw the notebook measure: ``overlapkit.grading.witness``, never notes
+  grader's witness saw the notebook measure: ``overlapkit.sandbox.witness``, never notes
   the kernel wrote) is read with PyTorch's
   weights-only loader, functions and classes stay sealed bytes that unpickle
-  only on ranks (``overlapkit.grading.sealed``), and ranks' results come back as plain
+  only on ranks (``overlapkit.sandbox.sealed``), and ranks' results come back as plain
   data (``overlapkit.plaindata``);
 * it writes its report to a pipe only it was given, with a secret the grader sent it on
   stdin, and makes itself undumpable (Linux: no other process of this user may read or
@@ -29,8 +29,8 @@ import sys
 import tempfile
 import threading
 
-from ..grading.witness import NOTES
 from ..launcher import PRELOAD
+from ..sandbox.witness import NOTES
 from ..warmup import SKIP
 from .labs import Exercise
 from .processes import descendants, end_new_processes
@@ -76,13 +76,13 @@ forkserver.ensure_running()
 import json
 import overlapkit as ok  # the kit first, before anything the notebook left
 from overlapkit import plaindata
-from overlapkit.grading.sealed import Sealed
+from overlapkit.sandbox.sealed import Sealed
 plaindata.distrust_from_now()
 out = os.fdopen(int(sys.argv[1]), "w")
 check, folder = sys.argv[2], sys.argv[3]
 names, kwargs, shown = json.loads(sys.argv[4]), json.loads(sys.argv[5]), json.loads(sys.argv[6])
 try:  # what the grader's witness saw the notebook measure, as plain data (records)
-    from overlapkit.grading import records
+    from overlapkit.sandbox import records
     with open(os.path.join(folder, @NOTES@), "rb") as f:
         records.restore(plaindata.loads(f.read()))
 except Exception:

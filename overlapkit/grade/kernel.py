@@ -23,7 +23,7 @@ from pathlib import Path
 
 import nbformat
 
-from ..grading.witness import NOTES, Witness
+from ..sandbox.witness import NOTES, Witness
 from .labs import _is_check_cell
 from .processes import descendants, end_new_processes
 

@@ -22,7 +22,7 @@ from .pipeline import check_1f1b_schedule, check_gpipe_step
 from .report import Report
 
 # every rank forked from now on has what the checks' watch works out at import
-launcher.preload("overlapkit.grading.preload")
+launcher.preload("overlapkit.sandbox.preload")
 
 #: points per exercise (the check's name), the one place ``python -m overlapkit.grade``
 #: reads them from; an exercise earns them times the share of its check's cases passed

@@ -12,7 +12,7 @@ import zlib
 
 from .. import handles
 from ..launcher import LaunchError, LaunchTimeoutError
-from . import answers, sealed
+from ..sandbox import answers, sealed
 from .report import Report
 from .traffic import group_ops, run_recorded
 
@@ -59,8 +59,8 @@ def run_or_report(report: Report, what: str, fn, *args, world_size: int, timeout
 
 
 def sealed_rank_hint(text: str) -> str:
-    """For an error a refused socket (``grading.nosockets``) or a hidden file
-    (``grading.nofiles``) caused: why, and what to use."""
+    """For an error a refused socket (``sandbox.nosockets``) or a hidden file
+    (``sandbox.nofiles``) caused: why, and what to use."""
     if "Permission denied" in text:
         return (" — a check's ranks share no file while your code runs: the process "
                 "group's store and the other ranks' files can be neither read nor written "

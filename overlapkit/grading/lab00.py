@@ -8,10 +8,10 @@ import statistics
 
 from ..costmodel import fit_alpha_beta as reference_fit
 from ..pingpong import ping_pong as reference_ping_pong
-from . import answers
+from ..sandbox import answers
+from ..sandbox.sealed import seal
 from .common import human_bytes, human_seconds, plain_number, run_or_report
 from .report import Report
-from .sealed import seal
 
 #: a reported one-way time passes when it is within this factor of a one-way statistic
 #: (median or mean, with or without the first round trips as warm-up) of the very round

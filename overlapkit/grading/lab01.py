@@ -19,10 +19,10 @@ import threading
 import torch
 
 from ..costmodel import bytes_moved_per_rank
-from . import answers
+from ..sandbox import answers
+from ..sandbox.sealed import seal
 from .common import Unfinished, call_or_report, plain_number
 from .report import Report
-from .sealed import seal
 from .traffic import COLLECTIVES, KIT_COLLECTIVES
 
 #: the collectives an AllReduce may be ``made_of``, by the names a learner calls them:

@@ -17,11 +17,11 @@ from collections import Counter
 import torch
 
 from .. import handles
+from ..sandbox import answers
+from ..sandbox.sealed import seal
 from ..sharded import flatten_padded, unflatten_into
-from . import answers
 from .common import plain_number, refused_rank, run_or_report, worst_element
 from .report import Report
-from .sealed import seal
 from .traffic import shown
 
 STEPS, LR, MOMENTUM = 10, 0.05, 0.9

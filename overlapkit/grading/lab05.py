@@ -32,7 +32,7 @@ import torch
 
 from .. import handles
 from ..p2p import Link
-from . import answers
+from ..sandbox import answers
 from .common import run_or_report
 from .report import Report
 from .traffic import shown

@@ -9,7 +9,7 @@ import secrets
 import torch
 
 from .. import handles
-from . import answers
+from ..sandbox import answers
 from .collectives import CHECK_LINK
 from .common import (
     PeersReturned,

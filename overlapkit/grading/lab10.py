@@ -32,7 +32,7 @@ import time
 
 from ..launcher import launch
 from ..p2p import Link
-from . import records
+from ..sandbox import records
 from .common import plain_number, report_failure
 from .report import Report
 
@@ -60,7 +60,7 @@ def measure(config: dict) -> dict:
     :func:`check_tuning` can tell a measured table from a typed one. Under the grader the
     grader's witness takes the measurement and keeps the note, outside the kernel
     (:mod:`.witness`)."""
-    from . import witness  # noqa: PLC0415
+    from ..sandbox import witness  # noqa: PLC0415
 
     if witness.address() is not None:
         problem = config_problem(config)

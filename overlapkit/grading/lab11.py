@@ -9,7 +9,7 @@ import torch
 
 from .. import handles, inflight
 from ..collectives import chunk_bounds
-from . import answers
+from ..sandbox import answers
 from .collectives import CHECK_LINK
 from .common import (
     PeersReturned,

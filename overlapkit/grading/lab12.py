@@ -37,10 +37,10 @@ import torch
 
 from ..fsdp import FullyShardedDP, PlanError
 from ..launcher import launch
-from . import answers
+from ..sandbox import answers
+from ..sandbox.sealed import seal
 from .common import Unfinished, call_or_report, judge_against_one_process
 from .report import Report
-from .sealed import seal
 
 CASES = [(4, 0), (4, 1), (5, 2), (1, 0), (2, 3)]
 #: two more are drawn each time from these: 228 plans of up to 400 actions to tabulate

@@ -31,7 +31,7 @@ import torch
 
 from .. import handles, p2p
 from ..costmodel import top_k_count
-from . import answers
+from ..sandbox import answers
 from .common import run_or_report, worst_element
 from .report import Report
 from .traffic import shown

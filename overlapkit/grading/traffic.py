@@ -23,7 +23,7 @@ import torch.distributed.distributed_c10d as c10d
 from .. import p2p, plaindata
 from ..inflight import debug_races
 from ..launcher import hide_frames_from
-from . import answers, nofiles, nosockets, sealed
+from ..sandbox import answers, nofiles, nosockets, sealed
 
 P2P = ("send", "recv", "isend", "irecv")
 COLLECTIVES = (

@@ -183,8 +183,8 @@ def _as_lists(seen, n: int) -> list[list]:
 def _call_on_rank(fn_bytes: bytes, args_bytes: bytes, watch: list):
     """On the rank: start watching, then unpickle the student's function (so a name it
     imported is the watched one) and call it; returns (value, what each watch saw)."""
+    from ..grading.common import recorded_calls  # noqa: PLC0415
     from . import answers, nosockets  # noqa: PLC0415
-    from .common import recorded_calls  # noqa: PLC0415
 
     # nothing to ask another process for the answer, no program to start (a fresh
     # interpreter is neither watched nor disarmed)

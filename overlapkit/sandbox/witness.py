@@ -2,7 +2,7 @@
 
 Lab 10's check asks that the table hold numbers its ``measure()`` returned. In a notebook
 the check can only read what ``measure()`` noted in the kernel's own memory
-(:mod:`overlapkit.grading.records`), and code in that kernel can write a note too. Under
+(:mod:`overlapkit.sandbox.records`), and code in that kernel can write a note too. Under
 the grader the notes come from here instead::
 
     grader ──starts──▶ witness (own process, undumpable)
@@ -89,7 +89,7 @@ class Witness:
         mine, theirs = socket.socketpair()
         self._report, self._lines = mine, []
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "overlapkit.grading.witness", self.path, str(theirs.fileno())],
+            [sys.executable, "-m", "overlapkit.sandbox.witness", self.path, str(theirs.fileno())],
             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.folder, "log"), "wb"),
             start_new_session=True,  # its ranks are ended with it, not with the kernel's
@@ -152,7 +152,7 @@ class Witness:
 
 def _measures() -> dict:
     """kind -> (a configuration's problem or None, the measurement, the note it leaves)."""
-    from . import lab10  # noqa: PLC0415
+    from ..grading import lab10  # noqa: PLC0415
 
     return {lab10.NOTED: (lab10.config_problem, lab10.measure_here, lab10.note_of)}
 

@@ -369,7 +369,7 @@ _CTYPES_NAMES = frozenset({"memmove", "from_buffer", "addressof", "CDLL", "cdll"
                            "c_size_t", "c_char_p", "POINTER", "CFUNCTYPE"})  # fmt: skip
 _library: list = []
 #: where what is installed lives (Python's own modules, site-packages): a check's ranks
-#: cannot write there (grading.nofiles)
+#: cannot write there (sandbox.nofiles)
 _INSTALLED = tuple(
     {p + os.sep for base in (sys.prefix, sys.base_prefix) for p in (base, os.path.realpath(base))}
 )
@@ -974,7 +974,7 @@ def _refusal(label: str, free: int) -> types.CodeType:
             + "".join(f"    {v} = None\n" for v in names)
             + "    def refusing(*args, **kwargs):\n"
             + (f"        ({', '.join(names)},)\n" if names else "")
-            + "        raise __import__('overlapkit.grading.answers', fromlist=['refused'])"
+            + "        raise __import__('overlapkit.sandbox.answers', fromlist=['refused'])"
             + f".refused({label!r})\n"
         )
         outer = compile(source, f"<the kit's answer {label}, disarmed>", "exec").co_consts[0]
