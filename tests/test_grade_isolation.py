@@ -439,7 +439,7 @@ def test_under_the_grader_only_what_the_witness_measured_counts_as_measured(tmp_
     from overlapkit.grade.kernel import execute  # noqa: PLC0415
 
     cells = [
-        "from overlapkit.grading import lab10, records\n"
+        "from overlapkit.grading import lab10\nfrom overlapkit.sandbox import records\n"
         "records.note(lab10.NOTED, {'config': lab10.BASELINE, 'step_ms': 412.34, 'hidden': 0.01})",
         "TUNED = {'wrapper': 'bucketed', 'bucket_mb': 1}\n"
         "m = lab10.measure(TUNED)\n"
@@ -469,7 +469,7 @@ def test_the_witness_refuses_a_configuration_the_lab_does_not_take_and_goes_on()
     """What the kernel sends the witness is a request, checked like measure()'s argument."""
     from overlapkit.sandbox import witness  # noqa: PLC0415
 
-    with witness.Witness() as w, pytest.MonkeyPatch.context() as mp:
+    with witness.Witness(("overlapkit.grading.lab10",)) as w, pytest.MonkeyPatch.context() as mp:
         mp.setenv(witness.ENV, w.path)
         for bad, words in [
             ({"wrapper": "magic"}, "'wrapper' must be one of"),

@@ -9,9 +9,10 @@ import statistics
 import pytest
 
 import overlapkit as ok
-from overlapkit.grading import lab10, records
+from overlapkit.grading import lab10
 from overlapkit.grading.common import plain_number
 from overlapkit.grading.lab10 import BASELINE, BATCH, LINK
+from overlapkit.sandbox import records
 
 from .conftest import Agreeable, soak_runs
 

@@ -80,11 +80,12 @@ def _errors(cell) -> str | None:
 
 
 def execute(student: nbformat.NotebookNode, names: list[str], folder: str, cell_limit: float,
-            total_limit: float, witnessed: bool = False) -> tuple[dict, list[str]]:  # fmt: skip
+            total_limit: float, measures: tuple[str, ...] = ()
+            ) -> tuple[dict, list[str]]:  # fmt: skip
     """Run the student's cells (in a fresh folder of their own), then save the exercise
     objects; returns (what the harvest found, notes on cells that failed or were skipped).
-    ``witnessed``: the lab's measurements are taken by the grader's witness (its checks
-    ask what was measured)."""
+    ``measures``: the modules whose measurements the grader's witness takes, outside the
+    kernel (the lab's checks ask what was measured); none, no witness."""
     import overlapkit  # noqa: PLC0415
 
     nb = nbformat.v4.new_notebook(metadata=student.metadata)
@@ -102,7 +103,7 @@ def execute(student: nbformat.NotebookNode, names: list[str], folder: str, cell_
     labels.append("the grader's last cell (it saves the exercises)")
     # the lab's measurements are taken by the grader's witness, outside the kernel: what
     # the judge reads as measured is what the witness saw, never notes the kernel wrote
-    with Witness() if witnessed else contextlib.nullcontext() as witness:
+    with Witness(measures) if measures else contextlib.nullcontext() as witness:
         env = witness.env() if witness else {}
         found, notes = _execute(nb, harvest, labels, folder, cell_limit, total_limit, env)
         if witness:

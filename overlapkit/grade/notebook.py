@@ -7,7 +7,7 @@ from pathlib import Path
 
 import nbformat
 
-from ..sandbox.witness import WITNESSED
+from ..grading import WITNESSED
 from .judge import run_check
 from .kernel import execute
 from .labs import LABS, Exercise, check_calls, check_cell_problem, exercises_of, identify
@@ -44,8 +44,8 @@ def grade_notebook(path: Path, labs: Path = LABS, cell_limit: float = 120.0,
     names = sorted({n for ex in exercises for n in ex.names})
     with tempfile.TemporaryDirectory(prefix="overlapkit-grade-") as folder:
         before = fingerprint(labs)
-        witnessed = any(ex.check in WITNESSED for ex in exercises)
-        found, notes = execute(student, names, folder, cell_limit, total_limit, witnessed)
+        measures = tuple(sorted({WITNESSED[ex.check] for ex in exercises if ex.check in WITNESSED}))
+        found, notes = execute(student, names, folder, cell_limit, total_limit, measures)
         for ex in exercises:
             _unchanged(path, labs, before)  # after the kernel, and after every judge's ranks
             _grade_one(ex, found, kept, folder, check_limit)

@@ -24,6 +24,10 @@ from .report import Report
 # every rank forked from now on has what the checks' watch works out at import
 launcher.preload("overlapkit.sandbox.preload")
 
+#: the checks that ask what the notebook measured, and the module whose ``MEASURES`` the
+#: grader's witness takes those measurements with (``overlapkit.sandbox.witness``)
+WITNESSED = {"check_tuning": "overlapkit.grading.lab10"}
+
 #: points per exercise (the check's name), the one place ``python -m overlapkit.grade``
 #: reads them from; an exercise earns them times the share of its check's cases passed
 POINTS = {

@@ -12,7 +12,8 @@ import zlib
 
 from .. import handles
 from ..launcher import LaunchError, LaunchTimeoutError
-from ..sandbox import answers, sealed
+from ..sandbox import answers
+from ..sandbox.sealed import recorded_calls
 from .report import Report
 from .traffic import group_ops, run_recorded
 
@@ -182,34 +183,6 @@ def call_or_report(report: Report, what: str, fn, *args, forbid=None):
 _BUILTINS = ("all_gather_into_tensor", "all_gather_single", "all_gather", "all_to_all_single",
              "all_to_all", "all_reduce", "reduce_scatter_tensor", "reduce_scatter_single",
              "broadcast")  # fmt: skip
-
-
-@contextlib.contextmanager
-def recorded_calls(root, names, prefix: str = ""):
-    """Replace the attributes ``names`` of ``root`` (dotted: ``"pipeline.make_schedule"``)
-    by wrappers that record each call (``prefix + name``) and call through; yields the
-    list of calls, and puts the originals back on exit."""
-    called, saved = [], []
-    for dotted in names:
-        *path, attr = dotted.split(".")
-        owner = root
-        for part in path:
-            owner = getattr(owner, part)
-        original = getattr(owner, attr)
-
-        def recorder(*args, _name=prefix + dotted, _fn=original, **kwargs):
-            called.append(_name)
-            return _fn(*args, **kwargs)
-
-        saved.append((owner, attr, original))
-        setattr(owner, attr, recorder)
-    try:
-        # a sealed student function called meanwhile records the same on its own rank
-        with sealed.watching(("attr", root.__name__, list(names), prefix), called):
-            yield called
-    finally:
-        for owner, attr, original in saved:
-            setattr(owner, attr, original)
 
 
 @contextlib.contextmanager

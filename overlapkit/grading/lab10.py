@@ -579,3 +579,8 @@ def _busy() -> str:
         "step needs a core free for its communication worker, and other work slows it more "
         "than the plain step; if nothing else of yours runs, check again when it is quieter"
     )
+
+
+#: what the grader's witness measures for this lab (``sandbox.witness``): kind -> (a
+#: configuration's problem or None, the measurement, the note it leaves)
+MEASURES = {NOTED: (config_problem, measure_here, note_of)}

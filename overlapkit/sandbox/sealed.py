@@ -84,7 +84,7 @@ def seal(fn):
 def watching(what: tuple, seen: list):
     """While the block runs, a :class:`Sealed` call also watches ``what`` on its rank and
     appends what it saw to ``seen``. ``what``: ``("attr", module, names, prefix)`` (calls of
-    those attributes, as ``common.recorded_calls`` records them) or ``("answers", names)``
+    those attributes, as :func:`recorded_calls` records them) or ``("answers", names)``
     (each time the code of one of the kit's answers ``names`` starts, under whatever name:
     ``answers.running``)."""
     _watching.append((what, seen))
@@ -180,10 +180,37 @@ def _as_lists(seen, n: int) -> list[list]:
     return [[x for x in s if isinstance(x, str)] if isinstance(s, list) else [] for s in seen]
 
 
+@contextlib.contextmanager
+def recorded_calls(root, names, prefix: str = ""):
+    """Replace the attributes ``names`` of ``root`` (dotted: ``"pipeline.make_schedule"``)
+    by wrappers that record each call (``prefix + name``) and call through; yields the
+    list of calls, and puts the originals back on exit."""
+    called, saved = [], []
+    for dotted in names:
+        *path, attr = dotted.split(".")
+        owner = root
+        for part in path:
+            owner = getattr(owner, part)
+        original = getattr(owner, attr)
+
+        def recorder(*args, _name=prefix + dotted, _fn=original, **kwargs):
+            called.append(_name)
+            return _fn(*args, **kwargs)
+
+        saved.append((owner, attr, original))
+        setattr(owner, attr, recorder)
+    try:
+        # a sealed student function called meanwhile records the same on its own rank
+        with watching(("attr", root.__name__, list(names), prefix), called):
+            yield called
+    finally:
+        for owner, attr, original in saved:
+            setattr(owner, attr, original)
+
+
 def _call_on_rank(fn_bytes: bytes, args_bytes: bytes, watch: list):
     """On the rank: start watching, then unpickle the student's function (so a name it
     imported is the watched one) and call it; returns (value, what each watch saw)."""
-    from ..grading.common import recorded_calls  # noqa: PLC0415
     from . import answers, nosockets  # noqa: PLC0415
 
     # nothing to ask another process for the answer, no program to start (a fresh

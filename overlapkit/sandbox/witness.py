@@ -20,6 +20,7 @@ notebook's notes is the report, so a note forged in the kernel never reaches it.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import shutil
@@ -30,8 +31,6 @@ import tempfile
 import threading
 import time
 
-#: the checks that ask what the notebook measured: the grader starts a witness for their labs
-WITNESSED = frozenset({"check_tuning"})
 #: the file, in the grader's folder for a notebook, that holds the witness's notes for
 #: the judge (plain data)
 NOTES = "__notes__.pt"
@@ -81,15 +80,19 @@ def _read_line(conn: socket.socket) -> bytes:
 
 class Witness:
     """Started by the grader for one notebook: ``env()`` goes to the kernel, ``notes()``
-    to the judge, ``close()`` when the notebook is done (also as a context manager)."""
+    to the judge, ``close()`` when the notebook is done (also as a context manager).
+    ``measures``: the modules whose ``MEASURES`` (kind -> (a configuration's problem or
+    None, the measurement, the note it leaves)) say what the witness may measure; the
+    kernel names a kind, never a module."""
 
-    def __init__(self):
+    def __init__(self, measures: tuple[str, ...]):
         self.folder = tempfile.mkdtemp(prefix="overlapkit-witness-")
         self.path = os.path.join(self.folder, "socket")
         mine, theirs = socket.socketpair()
         self._report, self._lines = mine, []
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "overlapkit.sandbox.witness", self.path, str(theirs.fileno())],
+            [sys.executable, "-m", "overlapkit.sandbox.witness", self.path,
+             str(theirs.fileno()), *measures],
             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.folder, "log"), "wb"),
             start_new_session=True,  # its ranks are ended with it, not with the kernel's
@@ -150,14 +153,16 @@ class Witness:
 # ------------------------------------------------------------------ the witness itself
 
 
-def _measures() -> dict:
-    """kind -> (a configuration's problem or None, the measurement, the note it leaves)."""
-    from ..grading import lab10  # noqa: PLC0415
+def _measures(modules) -> dict:
+    """kind -> (a configuration's problem or None, the measurement, the note it leaves),
+    from the ``MEASURES`` of each module the grader named."""
+    out: dict = {}
+    for name in modules:
+        out.update(importlib.import_module(name).MEASURES)
+    return out
 
-    return {lab10.NOTED: (lab10.config_problem, lab10.measure_here, lab10.note_of)}
 
-
-def _serve(path: str, report: socket.socket) -> None:
+def _serve(path: str, report: socket.socket, modules) -> None:
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(8)
@@ -170,7 +175,7 @@ def _serve(path: str, report: socket.socket) -> None:
             try:
                 request = json.loads(_read_line(conn))
                 kind, config = request["kind"], request["config"]
-                measures = measures or _measures()
+                measures = measures or _measures(modules)
                 if kind not in measures:
                     raise ValueError(f"no measurement named {kind!r}")
                 problem, measure, note_of = measures[kind]
@@ -189,10 +194,12 @@ def _serve(path: str, report: socket.socket) -> None:
 
 
 def main(argv: list[str]) -> None:
-    from ..grade.processes import undumpable  # noqa: PLC0415
+    # PR_SET_DUMPABLE 0: no process of this user (the kernel) may read or change its memory
+    with contextlib.suppress(Exception):  # not Linux: nothing to do
+        import ctypes  # noqa: PLC0415
 
-    undumpable()  # no process of this user (the kernel) may read or change its memory
-    _serve(argv[0], socket.socket(fileno=int(argv[1])))
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
+    _serve(argv[0], socket.socket(fileno=int(argv[1])), argv[2:])
 
 
 if __name__ == "__main__":
