@@ -28,6 +28,17 @@ def run(*args, timeout=300, cwd=ROOT):
     return proc.stdout
 
 
+def here(capsys, *args) -> str:
+    """``python -m overlapkit ARGS``, run in this process: what it printed (a bench's
+    ranks start from this process's warm forkserver; the command itself is run as a
+    program by the launch bench's test and the torchrun ones)."""
+    from overlapkit.__main__ import main  # noqa: PLC0415
+
+    capsys.readouterr()
+    assert main(list(args)) in (0, None)
+    return capsys.readouterr().out
+
+
 def test_demo_prints_its_tables_and_writes_a_timeline_picture(tmp_path):
     out = run("-m", "overlapkit", "demo", "--out", str(tmp_path / "demo.png"))
     assert "1. 4 ranks" in out and "fit: α =" in out
@@ -122,9 +133,9 @@ def test_make_lab_starts_jupyterlab_serving_the_labs():
             server.wait()
 
 
-def test_bench_collectives_reports_busbw_ratios_and_model_columns(tmp_path):
+def test_bench_collectives_reports_busbw_ratios_and_model_columns(tmp_path, capsys):
     plain = tmp_path / "plain.json"
-    run("-m", "overlapkit", "bench", "collectives", "--sizes", "4K,256K", "--world-sizes", "2",
+    here(capsys, "bench", "collectives", "--sizes", "4K,256K", "--world-sizes", "2",
         "--reps", "2", "--json", str(plain))  # fmt: skip
     rows = json.loads(plain.read_text())["rows"]
     assert [(r["bytes"], r["algorithm"]) for r in rows] == [
@@ -137,7 +148,7 @@ def test_bench_collectives_reports_busbw_ratios_and_model_columns(tmp_path):
     assert [r["x_builtin"] for r in rows if r["algorithm"] == "builtin"] == [1.0, 1.0]
 
     linked = tmp_path / "linked.json"
-    out = run("-m", "overlapkit", "bench", "collectives", "--sizes", "1M", "--world-sizes", "3",
+    out = here(capsys, "bench", "collectives", "--sizes", "1M", "--world-sizes", "3",
               "--reps", "2", "--link", "100,0.2", "--json", str(linked))  # fmt: skip
     assert "Link(100 µs, 0.2 GB/s): fitted from a ping-pong over it" in out
     data = json.loads(linked.read_text())
@@ -158,9 +169,9 @@ def test_bench_collectives_reports_busbw_ratios_and_model_columns(tmp_path):
         assert 0 < r["efficiency"] <= 1.0 and r["model_ms"] > 0
 
 
-def test_bench_ddp_compares_the_wrappers_with_torch_ddp_and_names_the_best(tmp_path):
+def test_bench_ddp_compares_the_wrappers_with_torch_ddp_and_names_the_best(tmp_path, capsys):
     out_json = tmp_path / "ddp.json"
-    out = run("-m", "overlapkit", "bench", "ddp", "--layers", "3", "--width", "64", "--batch",
+    out = here(capsys, "bench", "ddp", "--layers", "3", "--width", "64", "--batch",
               "16", "--buckets", "0.01,1", "--reps", "2", "--warmup", "1", "--link", "50,1",
               "--json", str(out_json))  # fmt: skip
     data = json.loads(out_json.read_text())
@@ -175,9 +186,9 @@ def test_bench_ddp_compares_the_wrappers_with_torch_ddp_and_names_the_best(tmp_p
     assert "best bucket size: measured" in out and "best configuration:" in out
 
 
-def test_bench_pipeline_reports_bubble_hidden_share_and_predictions(tmp_path):
+def test_bench_pipeline_reports_bubble_hidden_share_and_predictions(tmp_path, capsys):
     out_json = tmp_path / "pipe.json"
-    out = run("-m", "overlapkit", "bench", "pipeline", "--layers", "2", "--width", "32",
+    out = here(capsys, "bench", "pipeline", "--layers", "2", "--width", "32",
               "--batch", "8", "--micro", "1,2", "--schedules", "gpipe,1f1b", "--reps", "1",
               "--warmup", "1", "--json", str(out_json))  # fmt: skip
     rows = json.loads(out_json.read_text())["rows"]
@@ -193,9 +204,9 @@ def test_bench_pipeline_reports_bubble_hidden_share_and_predictions(tmp_path):
     assert "torch.distributed.pipelining" in out
 
 
-def test_bench_hybrid_compares_allreduce_starts_on_a_mesh_with_hot_spots(tmp_path):
+def test_bench_hybrid_compares_allreduce_starts_on_a_mesh_with_hot_spots(tmp_path, capsys):
     out_json = tmp_path / "hybrid.json"
-    out = run("-m", "overlapkit", "bench", "hybrid", "--layers", "2", "--width", "32",
+    out = here(capsys, "bench", "hybrid", "--layers", "2", "--width", "32",
               "--batch", "8", "--micro", "1,2", "--reps", "1", "--warmup", "1", "--json",
               str(out_json), "--png", str(tmp_path / "h.png"), "--trace",
               str(tmp_path / "h.trace.json"))  # fmt: skip
@@ -211,9 +222,9 @@ def test_bench_hybrid_compares_allreduce_starts_on_a_mesh_with_hot_spots(tmp_pat
     assert "hot spots of the median overlapped step" in out and "against a cool-down" in out
 
 
-def test_bench_fsdp_compares_prefetch_modes_with_ddp_the_model_and_fully_shard(tmp_path):
+def test_bench_fsdp_compares_prefetch_modes_with_ddp_the_model_and_fully_shard(tmp_path, capsys):
     out_json = tmp_path / "fsdp.json"
-    out = run("-m", "overlapkit", "bench", "fsdp", "--units", "3", "--width", "64", "--batch",
+    out = here(capsys, "bench", "fsdp", "--units", "3", "--width", "64", "--batch",
               "8", "--reps", "1", "--warmup", "1", "--json", str(out_json), "--png",
               str(tmp_path / "fsdp.png"))  # fmt: skip
     data = json.loads(out_json.read_text())
@@ -237,9 +248,9 @@ def test_bench_fsdp_compares_prefetch_modes_with_ddp_the_model_and_fully_shard(t
     assert data["meta"]["units"] == 3
 
 
-def test_bench_tp_sweeps_chunks_of_both_decomposed_matmuls_against_serial(tmp_path):
+def test_bench_tp_sweeps_chunks_of_both_decomposed_matmuls_against_serial(tmp_path, capsys):
     out_json = tmp_path / "tp.json"
-    out = run("-m", "overlapkit", "bench", "tp", "--rows", "8", "--width", "32", "--chunks",
+    out = here(capsys, "bench", "tp", "--rows", "8", "--width", "32", "--chunks",
               "1,2", "--reps", "1", "--warmup", "1", "--json", str(out_json))  # fmt: skip
     rows = json.loads(out_json.read_text())["rows"]
     got = [(r["op"], r["chunks"]) for r in rows]
@@ -253,9 +264,9 @@ def test_bench_tp_sweeps_chunks_of_both_decomposed_matmuls_against_serial(tmp_pa
     assert "AllGather-matmul: best chunks" in out and "the model's best" in out
 
 
-def test_bench_moe_sweeps_chunk_counts_against_the_serial_layer(tmp_path):
+def test_bench_moe_sweeps_chunk_counts_against_the_serial_layer(tmp_path, capsys):
     out_json = tmp_path / "moe.json"
-    out = run("-m", "overlapkit", "bench", "moe", "--tokens", "16", "--d-model", "8",
+    out = here(capsys, "bench", "moe", "--tokens", "16", "--d-model", "8",
               "--d-hidden", "16", "--chunks", "2", "--reps", "1", "--warmup", "1",
               "--json", str(out_json))  # fmt: skip
     rows = json.loads(out_json.read_text())["rows"]
@@ -297,9 +308,11 @@ def test_an_unknown_lab_is_refused_with_the_list():
     assert proc.returncode != 0 and "no lab '42': choose one of 00, 01" in proc.stderr
 
 
-def test_bench_compression_compares_compressors_with_plain_from_their_own_byte_counts(tmp_path):
+def test_bench_compression_compares_compressors_with_plain_from_their_own_byte_counts(
+    tmp_path, capsys
+):
     out_json = tmp_path / "compression.json"
-    out = run("-m", "overlapkit", "bench", "compression", "--steps", "6", "--hidden", "32",
+    out = here(capsys, "bench", "compression", "--steps", "6", "--hidden", "32",
               "--configs", "none,topk 1%,powersgd r4", "--json", str(out_json))  # fmt: skip
     assert "one plain AllReduce" in out
     rows = {r["config"]: r for r in json.loads(out_json.read_text())["rows"]}

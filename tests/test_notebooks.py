@@ -1,6 +1,9 @@
 """Lab notebooks run top to bottom; they may fail only where an exercise is unfinished.
 
 (The solution notebooks are checked by nbval: `pytest --nbval solutions/`, part of `make test`.)
+A lab's cells that neither depend on an unfinished exercise nor feed a cell that does are
+the solution's own cells, word for word, run there by nbval: here they are left out (a
+lab's long measurements, which would only be run twice).
 """
 
 from __future__ import annotations
@@ -28,6 +31,77 @@ def assigned_names(source: str) -> set[str]:
                 if isinstance(sub, ast.Name):
                     names.add(sub.id)
     return names
+
+
+def _names(source: str) -> tuple[set[str], set[str]]:
+    """(names a cell binds or changes at its top level, names it reads anywhere). A name
+    whose item or attribute the cell sets (``table[k] = v``, ``obj.x = v``) counts as
+    changed. A cell Python cannot parse (a magic) reads and binds nothing we can see."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set(), set()
+    bound = assigned_names(source)
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+        for target in getattr(node, "targets", None) or [getattr(node, "target", None)]:
+            while isinstance(target, (ast.Subscript, ast.Attribute)):
+                target = target.value
+            if isinstance(target, ast.Name):
+                bound.add(target.id)
+    # what the cell binds anywhere (loop variables, a function's arguments and locals) is
+    # its own, not read from another cell (a cell that reads a name before binding it again
+    # is missed: the cell that binds it is then left out, and the run fails with a NameError)
+    own = {
+        n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)
+    }
+    own |= {a.arg for a in ast.walk(tree) if isinstance(a, ast.arg)}
+    read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return bound, read - own - bound
+
+
+def cells_to_run(sources: list[str]) -> list[bool]:
+    """Which code cells a lab's test runs: each unfinished exercise, every cell that reads
+    what one of them (or a cell run for that reason) binds, every check cell, and every
+    earlier cell that binds what those read, until nothing more is needed."""
+    names = [_names(s) for s in sources]
+    run = [is_exercise(s) or "ok.grading.check_" in s for s in sources]
+    tainted: set[str] = set()
+    for i, (bound, read) in enumerate(names):
+        if is_exercise(sources[i]) or read & tainted:
+            run[i] = True
+            tainted |= bound
+    changed = True
+    while changed:
+        changed = False
+        wanted = set().union(*(names[i][1] for i in range(len(sources)) if run[i]))
+        for i, (bound, _) in enumerate(names):
+            if not run[i] and bound & wanted:
+                run[i] = changed = True
+    return run
+
+
+def is_exercise(source: str) -> bool:
+    return "raise NotImplementedError" in source
+
+
+def test_a_cell_is_run_when_it_depends_on_an_exercise_or_feeds_one_that_does():
+    sources = [
+        "import torch\nimport overlapkit as ok",  # read by the exercise's check
+        "SIZES = [1, 2]",  # read by the cell that uses the exercise
+        "times = [measure() for _ in range(100)]",  # a long measurement nothing needs
+        "def mine(x):\n    raise NotImplementedError",
+        "ok.grading.check_mine(mine)",
+        "table = {}\ntable['yours'] = mine(SIZES)",
+        "print(table, times)",  # reads the exercise's table: runs, and needs `times`
+        "plt_times = sorted(times)",  # nothing run reads it
+    ]
+    assert cells_to_run(sources) == [True, True, True, True, True, True, True, False]
+    sources[6] = "print(table)"
+    assert cells_to_run(sources)[2] is False  # the measurement now feeds nothing run
 
 
 def missing_name(message: str) -> str | None:
@@ -88,9 +162,28 @@ def test_a_cell_that_runs_too_long_prints_the_kernels_stacks(tmp_path, capfd):
     assert len(nb.cells) == 1
 
 
+def _without_markers(source: str) -> str:
+    """A cell's code without nbval's markers (the lab generator leaves them out)."""
+    return "\n".join(line for line in source.splitlines() if not line.startswith("# NBVAL_"))
+
+
+def _solution_sources(path: Path) -> set[str]:
+    solution = nbformat.read(ROOT / "solutions" / path.name, as_version=4)
+    return {_without_markers(c.source) for c in solution.cells if c.cell_type == "code"}
+
+
 @pytest.mark.parametrize("path", LABS, ids=[p.stem for p in LABS])
 def test_lab_fails_only_with_not_implemented_and_its_checks_say_so(path, no_leftover_ranks):
     nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    run = cells_to_run([c.source for c in code])
+    left_out = [c for c, r in zip(code, run, strict=True) if not r]
+    in_solution = _solution_sources(path)
+    assert all(_without_markers(c.source) in in_solution for c in left_out), (
+        f"{path.name}: a cell left out here is not the solution's (so nbval never runs it)"
+    )
+    kept = {id(c) for c, r in zip(code, run, strict=True) if r}
+    nb.cells = [c for c in nb.cells if c.cell_type != "code" or id(c) in kept]
     run_watched(nb, path.parent, cell_timeout=280)  # under pytest's 300 s: nbclient says which
     errors, check_verdicts = [], []
     # names that cells stopped by NotImplementedError never assigned, and the names of the
