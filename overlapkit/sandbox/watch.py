@@ -205,26 +205,103 @@ def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, t
     own watch judges it)."""
     (setprofile, threading_setprofile, len_, id_, set_, frozenset_, type_, frame_type, str_,
      dumps, tampered, group, kinds, dict_values, dict_get, limit, value_error) = tools  # fmt: skip
-    function_t, code_t, cell_t, method_t, dict_t, list_t, tuple_t, set_t, frozen_t, type_t = kinds
-    block, running_code, main_code, flush_code, between = marks
+    between = marks[-1]
     closed = tail = done = False  # the block closed; the rank's tail began; it ended
     blocks: dict = {}  # id of another block's frame -> the times it started (open, close)
     later = 0  # later blocks open now
-    containers = (list_t, tuple_t, set_t, frozen_t)
-    append = ran.append
-    seen = set_()  # ids of the code objects looked at, kept alive by ``keep``
-    keep = []
-    sent = set_()  # labels sent out (once each: the check needs which, not how often)
-    # the module's constants, bound now (before the learner's code runs, which could rebind them)
-    start_kind, note_kind, code_kind, telling = START, NOTE, CODE, TELLING_BYTES
-    min_copy = 2 * COPIED * COPY_MIN_TOKENS  # bytes of bytecode an edited copy needs
-    torch_files = _TORCH + os.sep
-    installed = _INSTALLED
+    keep = []  # what was looked at, alive: its id stays its own
     sends = out is not None  # (outside a check's rank the watch only notes)
+    # the helpers' closures, made now (before the learner's code runs, which could rebind
+    # the module's names and constants); the state that changes stays in this frame
+    send = _sender(out)
+    note = _noter(tick, ran.append, set_(), send, NOTE)
+    look = _looker(set_(), keep, trusted, libraries, answer_ids, sends, send, dumps, id_,
+                   _copy_filter(sizes, shapes, len_, frozenset_))  # fmt: skip
+    walk = _walker(look, trusted, libraries, _TORCH + os.sep, limit, kinds,
+                   (id_, set_, type_, dict_values, dict_get, value_error))  # fmt: skip
+    where = _tracker(marks[:-1], blocks, keep, id_)
+    entered = _entered(walk, trusted, _TORCH + os.sep, kinds, (id_, type_, dict_values, dict_get))
+    installed = _INSTALLED
+    send(START, b"")
+    while True:
+        frame, event, arg = yield
+        # what else the learner's code might send in (a frame-like object whose f_code,
+        # a str whose __eq__, would run its code in here) ends the watch: see _entry
+        if type_(frame) is not frame_type or type_(event) is not str_:
+            raise TypeError("not a profile event")
+        if event == "call":
+            code = frame.f_code
+            key = id_(code)
+            if sends and not done:
+                closed, tail, done, later = where(frame, code, closed, tail, later)
+            if key in answer_ids:
+                # after the block an answer is the check's own only where its code calls
+                # it (between_blocks) or an answer does: not one a finaliser started, nor
+                # one started from C alone (a partial over map(answer, …))
+                back = frame.f_back
+                caller = id_(back.f_code) if back is not None else None
+                if not closed or (
+                    not done and not later and caller not in between and caller not in answer_ids
+                ):
+                    note(labels_by_id[key])
+            elif code is threading_setprofile and (
+                frame.f_back is None or id_(frame.f_back.f_code) not in trusted
+            ):
+                note(tampered)
+            elif code.co_name == "<module>" and code.co_filename.startswith(installed):
+                pass  # a library imported meanwhile: its functions run as it loads them
+            elif look(code) and key not in trusted and key not in libraries and sends:
+                entered(frame, code)
+        elif event == "c_call" and id_(frame.f_code) not in trusted:
+            if arg is setprofile:
+                note(tampered)
+            elif id_(arg) in ops:  # (a partial's call of one shows no event: lab 09 counts
+                note(group(ops[id_(arg)]))  # the values the kit moved as well)
+        if before is not None:
+            before(frame, event, arg)
+
+
+# The helpers of the watch's generator. Each is a factory that :func:`_judge` calls before
+# its first event, so that the closure it returns holds everything it runs with (bound
+# before the learner's code runs) and looks up no module name at event time.
+
+
+def _tracker(marks, blocks, keep, id_):
+    """``where(frame, code, closed, tail, later)``: where the rank is once a ``call`` event
+    of ``code`` in ``frame`` has come, as the new ``(closed, tail, done, later)`` (see
+    :func:`_judge`; the state stays in its frame). ``marks``: the block's own frame, the
+    code of ``running``, of the rank's entry point and of the flush before its value
+    leaves; ``blocks``: id of another block's frame -> the times it started."""
+    block, running_code, main_code, flush_code = marks
+
+    def where(frame, code, closed, tail, later):
+        if frame is block:  # resumed to close: the learner's call is over
+            closed = True
+        elif code is running_code:  # another block: opens, then closes
+            keep.append(frame)
+            blocks[id_(frame)] = blocks.get(id_(frame), 0) + 1
+            later += 1 if blocks[id_(frame)] == 1 else -1
+        elif closed and frame.f_back is not None and frame.f_back.f_code is main_code:
+            tail = True  # the rank's entry point calls on: its value goes next
+        return closed, tail, tail and code is flush_code, later
+
+    return where
+
+
+def _sender(out):
+    """``send(kind, data)``: one message out of the rank (``out``), where there is one."""
+    sends = out is not None
 
     def send(kind, data):
         if sends:
             out(kind, data)
+
+    return send
+
+
+def _noter(tick, append, sent, send, note_kind):
+    """``note(what)``: counted (``tick``), listed (``append``), and sent out once each
+    (``sent``: the check needs which, not how often)."""
 
     def note(what):
         tick()
@@ -233,8 +310,16 @@ def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, t
             sent.add(what)
             send(note_kind, what.encode())
 
+    return note
+
+
+def _copy_filter(sizes, shapes, len_, frozenset_):
+    """``worth_sending(code)``: may ``code`` be a copy of an answer (whatever its name: the
+    learner's to choose)? ``sizes`` and ``shapes``: :func:`~.copies._prefilter`'s."""
+    telling = TELLING_BYTES
+    min_copy = 2 * COPIED * COPY_MIN_TOKENS  # bytes of bytecode an edited copy needs
+
     def worth_sending(code):
-        """May ``code`` be a copy of an answer (whatever its name: the learner's to choose)?"""
         size = len_(code.co_code)
         if size < telling:
             return False
@@ -252,8 +337,15 @@ def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, t
                 return True
         return False
 
+    return worth_sending
+
+
+def _looker(seen, keep, trusted, libraries, answer_ids, sends, send, dumps, id_, worth_sending):
+    """``look(code)``: send ``code`` out (once) when it may be a copy; false when it was
+    looked at before. ``seen``: the ids looked at, kept alive by ``keep``."""
+    code_kind = CODE
+
     def look(code):
-        """Send ``code`` out (once) when it may be a copy."""
         key = id_(code)
         if key in seen:
             return False
@@ -264,8 +356,17 @@ def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, t
                 send(code_kind, dumps(code))  # the check judges it
         return True
 
+    return look
+
+
+def _walker(look, trusted, libraries, torch_files, limit, kinds, tools):
+    """``walk(roots)``: every code object reachable from ``roots`` (at most ``limit``
+    objects of the ``kinds`` :data:`_SCANNED_TYPES`), looked at (see :func:`_judge`)."""
+    id_, set_, type_, dict_values, dict_get, value_error = tools
+    function_t, code_t, cell_t, method_t, dict_t, list_t, tuple_t, set_t, frozen_t, type_t = kinds
+    containers = (list_t, tuple_t, set_t, frozen_t)
+
     def walk(roots):
-        """Every code object reachable from ``roots``, looked at (see the docstring)."""
         todo, visited, count = list_t(roots), set_(), 0
         while todo and count < limit:
             obj = todo.pop()
@@ -307,62 +408,28 @@ def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, t
             elif kind is type_t:
                 todo.extend(obj.__dict__.values())
 
-    send(start_kind, b"")
-    while True:
-        frame, event, arg = yield
-        # what else the learner's code might send in (a frame-like object whose f_code,
-        # a str whose __eq__, would run its code in here) ends the watch: see _entry
-        if type_(frame) is not frame_type or type_(event) is not str_:
-            raise TypeError("not a profile event")
-        if event == "call":
-            code = frame.f_code
-            key = id_(code)
-            if sends and not done:
-                if frame is block:  # resumed to close: the learner's call is over
-                    closed = True
-                elif code is running_code:  # another block: opens, then closes
-                    keep.append(frame)
-                    blocks[id_(frame)] = blocks.get(id_(frame), 0) + 1
-                    later += 1 if blocks[id_(frame)] == 1 else -1
-                elif closed and frame.f_back is not None and frame.f_back.f_code is main_code:
-                    tail = True  # the rank's entry point calls on: its value goes next
-                if tail and code is flush_code:
-                    done = True
-            if key in answer_ids:
-                # after the block an answer is the check's own only where its code calls
-                # it (between_blocks) or an answer does: not one a finaliser started, nor
-                # one started from C alone (a partial over map(answer, …))
-                back = frame.f_back
-                caller = id_(back.f_code) if back is not None else None
-                if not closed or (
-                    not done and not later and caller not in between and caller not in answer_ids
-                ):
-                    note(labels_by_id[key])
-            elif code is threading_setprofile and (
-                frame.f_back is None or id_(frame.f_back.f_code) not in trusted
-            ):
-                note(tampered)
-            elif code.co_name == "<module>" and code.co_filename.startswith(installed):
-                pass  # a library imported meanwhile: its functions run as it loads them
-            elif look(code) and key not in trusted and key not in libraries and sends:
-                back = frame.f_back
-                # the learner's code entered from the check's or the kit's (not torch's
-                # own functions, called from the kit by the hundred)
-                if (back is not None and id_(back.f_code) in trusted
-                        and not code.co_filename.startswith(torch_files)):  # fmt: skip
-                    scope = frame.f_globals
-                    roots = [code, *dict_values(frame.f_locals)]
-                    for inner in (code, *code.co_consts):
-                        if type_(inner) is code_t and type_(scope) is dict_t:
-                            roots.extend(dict_get(scope, name) for name in inner.co_names)
-                    walk(roots)
-        elif event == "c_call" and id_(frame.f_code) not in trusted:
-            if arg is setprofile:
-                note(tampered)
-            elif id_(arg) in ops:  # (a partial's call of one shows no event: lab 09 counts
-                note(group(ops[id_(arg)]))  # the values the kit moved as well)
-        if before is not None:
-            before(frame, event, arg)
+    return walk
+
+
+def _entered(walk, trusted, torch_files, kinds, tools):
+    """``entered(frame, code)``: the learner's ``code`` starting in ``frame``; entered from
+    the check's or the kit's code (not torch's own functions, called from the kit by the
+    hundred), everything it can reach is walked."""
+    id_, type_, dict_values, dict_get = tools
+    code_t, dict_t = kinds[1], kinds[4]
+
+    def entered(frame, code):
+        back = frame.f_back
+        if (back is not None and id_(back.f_code) in trusted
+                and not code.co_filename.startswith(torch_files)):  # fmt: skip
+            scope = frame.f_globals
+            roots = [code, *dict_values(frame.f_locals)]
+            for inner in (code, *code.co_consts):
+                if type_(inner) is code_t and type_(scope) is dict_t:
+                    roots.extend(dict_get(scope, name) for name in inner.co_names)
+            walk(roots)
+
+    return entered
 
 
 def _hider(hidden: set, keep: list, id_=id, frames=frozenset({"gi_frame", "cr_frame", "ag_frame"})):
