@@ -85,6 +85,10 @@ def library() -> tuple[frozenset[int], frozenset]:
     return _library[0]
 
 
+#: where torch.distributed's own code lives (in torch's installed package, which a check's
+#: ranks cannot write to: ``sandbox.nofiles``): a frame whose code comes from there is
+#: torch's, whichever functions a torch release defines there and however they were made
+_TORCH_DISTRIBUTED = os.path.join(_TORCH, "distributed") + os.sep
 #: module name -> (the module, the ids of its code objects), for :func:`_trusted`: filled
 #: in the forkserver (``overlapkit._preload``) for what it loaded, so that a rank's watch
 #: only looks into the modules loaded since (ids only: no code object is handed out here)
@@ -92,18 +96,18 @@ _trusted_by_module: dict[str, tuple] = {}
 
 
 def _trusted() -> frozenset[int]:
-    """The ids of the code objects of the kit's and torch.distributed's own modules, as
-    loaded (by identity: code compiled elsewhere under their file names is not theirs):
-    the frames from which a process-group operation or a profiler change is theirs."""
-    kinds = ("overlapkit.", "torch.distributed")
-    names = [m for m in list(sys.modules) if m == "overlapkit" or m.startswith(kinds)]
+    """The ids of the code objects of the kit's own modules, as loaded (by identity: code
+    compiled elsewhere under the kit's file names is not the kit's): with torch.distributed's
+    code, told by where it lives (:data:`_TORCH_DISTRIBUTED`), the frames from which a
+    process-group operation or a profiler change is theirs."""
+    names = [m for m in list(sys.modules) if m == "overlapkit" or m.startswith("overlapkit.")]
     found = set()
-    with warnings.catch_warnings():  # torch.distributed's deprecated names say so when touched
+    with warnings.catch_warnings():  # deprecated names say so when touched
         warnings.simplefilter("ignore")
         for name in names:
             module = sys.modules.get(name)
             path = getattr(module, "__file__", None) or ""
-            if not path.startswith((_KIT, _TORCH)) or module.__name__ != name:
+            if not path.startswith(_KIT) or module.__name__ != name:
                 continue
             known = _trusted_by_module.get(name)
             if known is None or known[0] is not module:  # (a module loaded afresh: looked into)

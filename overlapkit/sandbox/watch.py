@@ -21,7 +21,7 @@ from .. import plaindata, warmup
 from .codes import code_objects
 from .copies import COPIED, COPY_MIN_TOKENS, TELLING_BYTES, _prefilter
 from .disarm import _disarmed, _open
-from .origins import _INSTALLED, _TORCH, _group_ops, _trusted, library
+from .origins import _INSTALLED, _TORCH, _TORCH_DISTRIBUTED, _group_ops, _trusted, library
 from .sightings import CODE, NOTE, START, _numbers, _remember, _sightings_pipe, _writer
 from .told import GROUP, TAMPERED
 
@@ -220,7 +220,8 @@ def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, t
     walk = _walker(look, trusted, libraries, _TORCH + os.sep, limit, kinds,
                    (id_, set_, type_, dict_values, dict_get, value_error))  # fmt: skip
     where = _tracker(marks[:-1], blocks, keep, id_)
-    entered = _entered(walk, trusted, _TORCH + os.sep, kinds, (id_, type_, dict_values, dict_get))
+    trusts = _truster(trusted, _TORCH_DISTRIBUTED, id_)
+    entered = _entered(walk, trusts, _TORCH + os.sep, kinds, (id_, type_, dict_values, dict_get))
     installed = _INSTALLED
     send(START, b"")
     while True:
@@ -245,14 +246,14 @@ def _judge(labels_by_id, answer_ids, sizes, shapes, trusted, ops, ran, before, t
                 ):
                     note(labels_by_id[key])
             elif code is threading_setprofile and (
-                frame.f_back is None or id_(frame.f_back.f_code) not in trusted
+                frame.f_back is None or not trusts(frame.f_back.f_code)
             ):
                 note(tampered)
             elif code.co_name == "<module>" and code.co_filename.startswith(installed):
                 pass  # a library imported meanwhile: its functions run as it loads them
             elif look(code) and key not in trusted and key not in libraries and sends:
                 entered(frame, code)
-        elif event == "c_call" and id_(frame.f_code) not in trusted:
+        elif event == "c_call" and not trusts(frame.f_code):
             if arg is setprofile:
                 note(tampered)
             elif id_(arg) in ops:  # (a partial's call of one shows no event: lab 09 counts
@@ -286,6 +287,18 @@ def _tracker(marks, blocks, keep, id_):
         return closed, tail, tail and code is flush_code, later
 
     return where
+
+
+def _truster(trusted, torch_distributed, id_):
+    """``trusts(code)``: is ``code`` the kit's (its id in ``trusted``: by identity, a copy
+    may claim the kit's file) or torch.distributed's (by where it lives: under
+    ``torch_distributed``, whatever a torch release defines there)? Where a process-group
+    operation or a profiler change is theirs, and where they call the learner's code."""
+
+    def trusts(code):
+        return id_(code) in trusted or code.co_filename.startswith(torch_distributed)
+
+    return trusts
 
 
 def _sender(out):
@@ -411,7 +424,7 @@ def _walker(look, trusted, libraries, torch_files, limit, kinds, tools):
     return walk
 
 
-def _entered(walk, trusted, torch_files, kinds, tools):
+def _entered(walk, trusts, torch_files, kinds, tools):
     """``entered(frame, code)``: the learner's ``code`` starting in ``frame``; entered from
     the check's or the kit's code (not torch's own functions, called from the kit by the
     hundred), everything it can reach is walked."""
@@ -420,7 +433,7 @@ def _entered(walk, trusted, torch_files, kinds, tools):
 
     def entered(frame, code):
         back = frame.f_back
-        if (back is not None and id_(back.f_code) in trusted
+        if (back is not None and trusts(back.f_code)
                 and not code.co_filename.startswith(torch_files)):  # fmt: skip
             scope = frame.f_globals
             roots = [code, *dict_values(frame.f_locals)]
