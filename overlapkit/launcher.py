@@ -121,6 +121,83 @@ def _shm_root() -> str | None:
 # --------------------------------------------------------------------------- launch
 
 
+def _check_launch(fn, world_size, timeout, rank_kwargs) -> None:
+    """:func:`launch`'s arguments, checked before anything starts."""
+    if not callable(fn):
+        raise TypeError(f"launch() needs a function to run on the ranks, got {type(fn).__name__}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
+    if rank_kwargs is not None and len(rank_kwargs) != world_size:
+        raise ValueError(f"rank_kwargs: one dict per rank ({world_size}), got {len(rank_kwargs)}")
+
+
+def _payload(fn, args, kwargs, hook) -> bytes:
+    """What every rank runs, pickled (by value where the kit's file names are kept)."""
+    try:
+        payload = dumps_keeping_filenames((fn, args, kwargs, hook))
+    except Exception as exc:
+        raise LaunchError(
+            f"could not send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: "
+            f"{exc}. Arguments must be picklable (no locks, sockets or live process groups)."
+        ) from exc
+    return payload
+
+
+def _private(rank_kwargs) -> list | None:
+    """Each rank's own keyword arguments, pickled (None: none)."""
+    if rank_kwargs is None:
+        return None
+    try:
+        return [dumps_keeping_filenames(kw) for kw in rank_kwargs]
+    except Exception as exc:
+        raise LaunchError(f"could not send rank_kwargs to the ranks: {exc}") from exc
+
+
+def _spec(payload: bytes, world_size: int, backend: str, threads: int, timeout, link):
+    """What the ranks are started with, in a directory of their own (their store and logs)."""
+    workdir = tempfile.mkdtemp(prefix="overlapkit-")
+    # the emulated link's data path: in RAM (tmpfs) where the system has one
+    shm_dir = tempfile.mkdtemp(prefix="overlapkit-", dir=_shm_root() or workdir)
+    return _rank.RankSpec(
+        payload=payload,
+        world_size=world_size,
+        backend=backend,
+        store_path=os.path.join(workdir, "store"),
+        log_dir=workdir,
+        threads=threads,
+        timeout_s=timeout if timeout is not None else 3600.0,
+        env=dict(os.environ),
+        link=link,
+        shm_dir=shm_dir,
+        plain=not plaindata.trusting(),
+        preload=tuple(PRELOAD),
+    )
+
+
+def _run_ranks(spec, private, timeout, quiet: bool) -> tuple:
+    """Start the ranks, wait for them, and clean up after them: (their outcome, what each
+    printed). Interrupted, what they printed is shown unless ``quiet``."""
+    ranks = _Ranks(spec, private)
+    interrupted = False
+    try:
+        ranks.start()
+        outcome = ranks.wait(timeout)
+        _last.heard = (dict(outcome.heard), set(outcome.garbled))
+    except BaseException:  # KeyboardInterrupt from the kernel, above all
+        interrupted = True
+        raise
+    finally:
+        ranks.stop()
+        logs = [_read(_rank.log_path(spec.log_dir, r)) for r in range(spec.world_size)]
+        shutil.rmtree(spec.log_dir, ignore_errors=True)
+        shutil.rmtree(spec.shm_dir, ignore_errors=True)
+        if interrupted and not quiet:  # what the ranks printed before the interrupt
+            print_rank_output(logs)
+    return outcome, logs
+
+
 def launch(
     fn,
     *args,
@@ -151,14 +228,7 @@ def launch(
     context around ``fn``, and what the caller does with what they sent on their channel.
     """
     _last.heard = None  # this launch's, never an earlier one's
-    if not callable(fn):
-        raise TypeError(f"launch() needs a function to run on the ranks, got {type(fn).__name__}")
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    if timeout is not None and timeout <= 0:
-        raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
-    if rank_kwargs is not None and len(rank_kwargs) != world_size:
-        raise ValueError(f"rank_kwargs: one dict per rank ({world_size}), got {len(rank_kwargs)}")
+    _check_launch(fn, world_size, timeout, rank_kwargs)
     if _under_torchrun():
         mine = rank_kwargs[int(os.environ["RANK"])] if rank_kwargs is not None else {}
         return _launch_in_place(fn, args, {**kwargs, **mine}, world_size, backend, link, hook)
@@ -169,53 +239,8 @@ def launch(
     machine.warn_small_shm(backend)  # NCCL keeps its buffers in /dev/shm: say so before it fails
     if threads is None:
         threads = max(1, runtime.usable_cores() // world_size)
-    try:
-        payload = dumps_keeping_filenames((fn, args, kwargs, hook))
-    except Exception as exc:
-        raise LaunchError(
-            f"could not send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: "
-            f"{exc}. Arguments must be picklable (no locks, sockets or live process groups)."
-        ) from exc
-
-    workdir = tempfile.mkdtemp(prefix="overlapkit-")
-    # the emulated link's data path: in RAM (tmpfs) where the system has one
-    shm_dir = tempfile.mkdtemp(prefix="overlapkit-", dir=_shm_root() or workdir)
-    spec = _rank.RankSpec(
-        payload=payload,
-        world_size=world_size,
-        backend=backend,
-        store_path=os.path.join(workdir, "store"),
-        log_dir=workdir,
-        threads=threads,
-        timeout_s=timeout if timeout is not None else 3600.0,
-        env=dict(os.environ),
-        link=link,
-        shm_dir=shm_dir,
-        plain=not plaindata.trusting(),
-        preload=tuple(PRELOAD),
-    )
-    private = None
-    if rank_kwargs is not None:
-        try:
-            private = [dumps_keeping_filenames(kw) for kw in rank_kwargs]
-        except Exception as exc:
-            raise LaunchError(f"could not send rank_kwargs to the ranks: {exc}") from exc
-    ranks = _Ranks(spec, private)
-    interrupted = False
-    try:
-        ranks.start()
-        outcome = ranks.wait(timeout)
-        _last.heard = (dict(outcome.heard), set(outcome.garbled))
-    except BaseException:  # KeyboardInterrupt from the kernel, above all
-        interrupted = True
-        raise
-    finally:
-        ranks.stop()
-        logs = [_read(_rank.log_path(workdir, r)) for r in range(world_size)]
-        shutil.rmtree(workdir, ignore_errors=True)
-        shutil.rmtree(shm_dir, ignore_errors=True)
-        if interrupted and not quiet:  # what the ranks printed before the interrupt
-            print_rank_output(logs)
+    spec = _spec(_payload(fn, args, kwargs, hook), world_size, backend, threads, timeout, link)
+    outcome, logs = _run_ranks(spec, _private(rank_kwargs), timeout, quiet)
 
     if outcome.timed_out:
         stacks = {r: _where_hung(logs[r]) for r in outcome.running}

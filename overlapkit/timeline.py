@@ -24,12 +24,16 @@ kernels (and memcpy/memset) of a trace that holds them. The host only enqueues G
 and returns: a span measured on the host's clock around GPU work (``span()``,
 ``add(..., now())``, the moment a NCCL ``wait()`` returns) is a launch time, not an
 execution time, and must not be read as one (an overlap seen there can be false).
+
+This module holds the spans and their measures; :mod:`overlapkit.timeline_plot` draws a
+timeline and :mod:`overlapkit.timeline_trace` writes and reads trace files (the
+methods :meth:`Timeline.plot`, :meth:`Timeline.to_chrome_trace` and
+:meth:`Timeline.from_profiler` call them).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
 from collections.abc import Iterable
@@ -41,16 +45,12 @@ from . import runtime
 
 COMPUTE = "compute"
 COMM = "comm"
-_LANE_COLORS = {COMPUTE: "#4C72B0", COMM: "#DD8452"}
 
 
 def is_comm(lane: str) -> bool:
     """``"comm"``, or a communication lane of one group (``"comm dp"``, ``"comm pp"``):
     what the overlap metrics count and the pictures hatch where hidden under compute."""
     return lane == COMM or lane.startswith(COMM + " ")
-
-
-_OTHER_COLORS = ["#55A868", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C", "#CCB974"]
 
 
 @dataclass(frozen=True)
@@ -353,87 +353,9 @@ class Timeline:
         (default: the earliest span), so timelines drawn side by side share
         an origin when given the same ``t0``.
         """
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
+        from .timeline_plot import plot
 
-        spans = self._all()
-        rows = [(r, lane) for r in self.ranks for lane in self.lanes if self.select(r, lane)]
-        if ax is None:
-            fig, ax = plt.subplots(figsize=(10, 0.45 * max(len(rows), 2) + 1.3))
-        else:
-            fig = ax.figure
-        if not spans:
-            ax.set_title(title or "empty timeline")
-            return fig
-        t0 = min(s.start for s in spans) if t0 is None else t0
-        span_ms = (max(s.end for s in spans) - t0) * 1e3 or 1.0
-        # the width of one label character, in ms on this axis (8-point text)
-        axis_px = ax.get_window_extent().width or 1.0
-        char_ms = 0.6 * 8 * fig.dpi / 72 / axis_px * span_ms * 1.01
-        colors = dict(_LANE_COLORS)
-        for i, lane in enumerate(lane for lane in self.lanes if lane not in colors):
-            colors[lane] = _OTHER_COLORS[i % len(_OTHER_COLORS)]
-
-        for y, (r, lane) in enumerate(rows):
-            mine = self.select(r, lane)
-            bars = [((s.start - t0) * 1e3, s.duration * 1e3) for s in mine]
-            ax.broken_barh(
-                bars, (y - 0.38, 0.76), facecolors=colors[lane], edgecolor="white", lw=0.5
-            )
-            if is_comm(lane):  # hatch the parts that were hidden under compute
-                comm = union((s.start, s.end) for s in mine)
-                comp = union((s.start, s.end) for s in self.select(r, COMPUTE))
-                hidden = [((a - t0) * 1e3, (b - a) * 1e3) for a, b in intersect(comm, comp)]
-                if hidden:
-                    ax.broken_barh(
-                        hidden,
-                        (y - 0.38, 0.76),
-                        facecolors="none",
-                        edgecolor="#333333",
-                        hatch="////",
-                        lw=0,
-                    )
-            if labels:
-                _label_bars(ax, [s.name for s in mine], bars, y, char_ms)
-        ax.set_yticks(range(len(rows)))
-        ax.set_yticklabels([f"rank {r} · {lane}" for r, lane in rows])
-        ax.set_ylim(len(rows) - 0.5, -0.5)
-        ax.set_xlim(0, span_ms * 1.01)
-        ax.set_xlabel("time (ms)")
-        ax.grid(axis="x", alpha=0.3)
-        ratio, hidden = self.overlap_ratio(), self.hidden_fraction()
-        summary = (
-            f"overlap ratio {ratio:.2f} · comm hidden {hidden:.0%}"
-            if ratio is not None
-            else "no communication recorded"
-        )
-        if not metrics:  # e.g. a collective's own timeline, where overlap is not the point
-            summary = ""
-        ax.set_title(" — ".join(t for t in (title, summary) if t), fontsize=10)
-        if not legend:
-            fig.tight_layout()
-            return fig
-        handles = [Patch(color=colors[lane], label=lane) for lane in self.lanes]
-        if any(is_comm(lane) for _, lane in rows):
-            handles.append(
-                Patch(
-                    facecolor="none",
-                    edgecolor="#333333",
-                    hatch="////",
-                    label="comm hidden under compute",
-                )
-            )
-        ax.legend(  # below the axis label, at a distance in points whatever the height
-            handles=handles,
-            loc="upper center",
-            bbox_to_anchor=(0.5, 0.0),
-            borderaxespad=3.4,
-            ncol=len(handles),
-            frameon=False,
-            fontsize=8,
-        )
-        fig.tight_layout()
-        return fig
+        return plot(self, ax, title, labels, t0, legend, metrics)
 
     def save(self, path: str, title: str | None = None, dpi: int = 110) -> str:
         """Plot to an image file and close the figure; returns the path."""
@@ -451,38 +373,9 @@ class Timeline:
         One process per rank, one thread per lane, times in microseconds.
         Written to ``path`` when given.
         """
-        spans = self._all()
-        t0 = min((s.start for s in spans), default=0.0)
-        lanes = {lane: i for i, lane in enumerate(self.lanes)}
-        events = []
-        for r in self.ranks:
-            events.append(
-                {"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}}
-            )
-            events.append(
-                {"name": "process_sort_index", "ph": "M", "pid": r, "args": {"sort_index": r}}
-            )
-            for lane, tid in lanes.items():
-                events.append(
-                    {"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": lane}}
-                )
-        for s in spans:
-            events.append(
-                {
-                    "name": s.name,
-                    "cat": s.lane,
-                    "ph": "X",
-                    "ts": round((s.start - t0) * 1e6, 3),
-                    "dur": round(s.duration * 1e6, 3),
-                    "pid": s.rank,
-                    "tid": lanes[s.lane],
-                }
-            )
-        trace = {"traceEvents": events, "displayTimeUnit": "ms"}
-        if path is not None:
-            with open(path, "w") as f:
-                json.dump(trace, f)
-        return trace
+        from .timeline_trace import chrome_trace
+
+        return chrome_trace(self, path)
 
     @classmethod
     def from_profiler(cls, source, rank: int = 0) -> Timeline:
@@ -507,62 +400,9 @@ class Timeline:
         kit's communication thread, which the profiler does not trace: its spans come from
         the kit's timelines.
         """
-        if hasattr(source, "export_chrome_trace"):
-            import os  # noqa: PLC0415
-            import tempfile  # noqa: PLC0415
+        from .timeline_trace import from_profiler
 
-            fd, path = tempfile.mkstemp(suffix=".json")
-            os.close(fd)
-            try:
-                try:
-                    source.export_chrome_trace(path)
-                except RuntimeError as exc:  # a profile exports its trace once
-                    raise ValueError(
-                        f"this profile cannot be exported again ({exc}): pass the path of "
-                        "the trace you exported it to"
-                    ) from None
-                with open(path) as f:
-                    source = json.load(f)
-            finally:
-                os.unlink(path)
-        elif isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
-            with open(source) as f:
-                source = json.load(f)
-        events = source.get("traceEvents", []) if isinstance(source, dict) else source
-        spans = [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
-        if not spans:
-            raise ValueError("the trace holds no complete ('X') events: was anything profiled?")
-        t0 = min(float(e["ts"]) for e in spans)
-        on_gpu = any(str(e.get("cat", "")).lower() in _DEVICE_CATS for e in spans)
-        timeline = cls(rank=rank)
-        for e in spans:
-            lane = _profiler_lane(e, on_gpu)
-            if lane is None:
-                continue
-            start = (float(e["ts"]) - t0) / 1e6
-            timeline.add(e.get("name", "?"), start, start + float(e["dur"]) / 1e6, lane)
-        return timeline
-
-
-_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")  # what a GPU executed (Kineto)
-
-
-def _profiler_lane(event: dict, on_gpu: bool) -> str | None:
-    """``comm``, ``compute`` or None (not counted) for one profiler trace event;
-    ``on_gpu``: the trace holds GPU activity, which alone is then counted."""
-    name, cat = str(event.get("name", "")), str(event.get("cat", "")).lower()
-    lowered = name.lower()
-    if cat in _DEVICE_CATS:
-        return COMM if cat == "kernel" and "nccl" in lowered else COMPUTE
-    if lowered.startswith("gloo:"):
-        return COMM
-    if on_gpu:
-        return None  # the host's side of GPU work: launches, not execution
-    if lowered.startswith(("c10d::", "record_param_comms", "nccl:")):
-        return None  # issuing a collective: its execution is counted above
-    if cat == "cpu_op":
-        return COMPUTE
-    return None
+        return from_profiler(cls, source, rank)
 
 
 def _torch_cuda():
@@ -637,17 +477,3 @@ class _TrackedWork:
     def is_completed(self) -> bool:
         """The work's answer (NCCL's: finished on the GPU); the span is read later."""
         return self._work.is_completed()
-
-
-def _label_bars(ax, names, bars, y: float, char_ms: float) -> None:
-    """Write each bar's name on it where the text fits inside the bar and clears the
-    label before it (a lane's spans may overlap, as queued operations do)."""
-    free_from = float("-inf")
-    for name, (x, w) in sorted(zip(names, bars, strict=True), key=lambda item: item[1][0]):
-        width = (len(name) + 1) * char_ms
-        left = x + w / 2 - width / 2
-        if w < width or left < free_from:
-            continue
-        ax.text(x + w / 2, y, name, ha="center", va="center", fontsize=8, color="white",
-                clip_on=True)  # fmt: skip
-        free_from = left + width

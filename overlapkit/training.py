@@ -203,19 +203,9 @@ def _eval_loss(task: Task, model, all_reduce) -> float:
         return torch.nn.functional.mse_loss(probe(task.eval_x), task.eval_y).item()
 
 
-def train(task: Task, steps: int = 200, lr: float = 0.05, mode: str = "sync",
-          staleness: int = 1, local_steps: int = 4, accumulate: int = 4,
-          slow: dict | None = None, eval_every: int = 10, all_reduce=None, timeline=None,
-          compensate: float = 0.0, clip: float | None = None) -> History:  # fmt: skip
-    """Train ``task``'s model for ``steps`` steps on every rank; see the module's text.
-
-    ``all_reduce(tensor, op=..., async_op=...)``: the collective (default the kit's ring,
-    over the link when one is set; ``"builtin"``: :func:`builtin_all_reduce`); or a
-    compressor of ``ok.compression``, which then averages the gradients (the whole model's,
-    one bucket) while the parameters and evaluations are averaged exactly by the ring.
-    ``timeline`` gets compute, straggler and comm spans. ``compensate``: DC-ASGD's λ for
-    stale gradients; ``clip``: the largest gradient norm applied (both in the module's text).
-    """
+def _check_arguments(mode, steps, staleness, local_steps, accumulate, compensate, clip,
+                     slow: dict) -> None:  # fmt: skip
+    """:func:`train`'s arguments, checked before anything runs."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
     for name, value in (("staleness", staleness), ("local_steps", local_steps),
@@ -230,11 +220,14 @@ def train(task: Task, steps: int = 200, lr: float = 0.05, mode: str = "sync",
                          f"not {mode!r}")  # fmt: skip
     if clip is not None and not (isinstance(clip, int | float) and clip > 0):
         raise ValueError(f"clip is the largest gradient norm applied, > 0 (or None); got {clip!r}")
-    slow = slow or {}
-    world, me = runtime.world_size(), runtime.rank()
+    world = runtime.world_size()
     for rank, factor in slow.items():
         if not 0 <= rank < world or not factor >= 1:
             raise ValueError(f"slow={slow}: give {{rank: factor ≥ 1}} for ranks 0…{world - 1}")
+
+
+def _collective(all_reduce, world: int) -> tuple:
+    """:func:`train`'s ``all_reduce`` argument as (the collective, the compressor or None)."""
     compressor = all_reduce if isinstance(all_reduce, Compressor) else None
     if compressor is not None:
         all_reduce = ring_all_reduce
@@ -247,6 +240,66 @@ def train(task: Task, steps: int = 200, lr: float = 0.05, mode: str = "sync",
                          f"ok.compression or a function; got {all_reduce!r}")  # fmt: skip
     if world == 1:  # nothing to exchange; the modes still delay and batch as they do
         all_reduce, compressor = _alone, None
+    return all_reduce, compressor
+
+
+def _compute(model, pool, step: int, micro: int, slowed: tuple, span, t0: float) -> float:
+    """Step ``step``'s gradient: ``micro`` batches of the ``pool`` (their mean), forward and
+    backward, begun at ``t0``; ``slowed = (factor, nominal)``: on a straggler (factor > 1)
+    stretched to ``factor`` times the others' usual compute (``nominal`` seconds). Returns
+    the seconds since ``t0``."""
+    factor, nominal = slowed
+    model.zero_grad(set_to_none=True)
+    for i in range(micro):
+        x, y = pool[((step - 1) * micro + i) % len(pool)]
+        (torch.nn.functional.mse_loss(model(x), y) / micro).backward()
+    computed = time.perf_counter() - t0
+    span("forward+backward", t0)
+    if factor > 1:  # stretched to `factor` times the others' usual compute
+        t1 = time.perf_counter()
+        _stretch(factor * nominal - computed)
+        span("straggling", t1)
+    return time.perf_counter() - t0
+
+
+def _start(task: Task, model, world: int, me: int, batches: int) -> list:
+    """Every rank on rank 0's parameters, and the rank's data: made before the clock starts
+    (as a loader that keeps up would), a pool of batches cycled through (``batches`` of
+    them, at most :data:`POOL`), so a step times the model, not the data."""
+    if world > 1:
+        for p in model.parameters():
+            dist.broadcast(p.data, 0)
+    gen = torch.Generator().manual_seed(task.seed * 1000 + me + 7)
+    return [task.batch_of(task.batch, gen) for _ in range(min(batches, POOL))]
+
+
+def _spans(timeline):
+    """``span(name, start, lane="compute")``: from ``start`` to now on ``timeline`` (if any)."""
+
+    def span(name, start, lane="compute"):
+        if timeline is not None:
+            timeline.add(name, start, time.perf_counter(), lane)
+
+    return span
+
+
+def train(task: Task, steps: int = 200, lr: float = 0.05, mode: str = "sync",
+          staleness: int = 1, local_steps: int = 4, accumulate: int = 4,
+          slow: dict | None = None, eval_every: int = 10, all_reduce=None, timeline=None,
+          compensate: float = 0.0, clip: float | None = None) -> History:  # fmt: skip
+    """Train ``task``'s model for ``steps`` steps on every rank; see the module's text.
+
+    ``all_reduce(tensor, op=..., async_op=...)``: the collective (default the kit's ring,
+    over the link when one is set; ``"builtin"``: :func:`builtin_all_reduce`); or a
+    compressor of ``ok.compression``, which then averages the gradients (the whole model's,
+    one bucket) while the parameters and evaluations are averaged exactly by the ring.
+    ``timeline`` gets compute, straggler and comm spans. ``compensate``: DC-ASGD's λ for
+    stale gradients; ``clip``: the largest gradient norm applied (both in the module's text).
+    """
+    slow = slow or {}
+    _check_arguments(mode, steps, staleness, local_steps, accumulate, compensate, clip, slow)
+    world, me = runtime.world_size(), runtime.rank()
+    all_reduce, compressor = _collective(all_reduce, world)
     model = task.model()
     shapes = [p.shape for p in model.parameters()]
 
@@ -255,47 +308,26 @@ def train(task: Task, steps: int = 200, lr: float = 0.05, mode: str = "sync",
             return all_reduce(grad, op="avg", async_op=async_op)
         return compressor(grad, shapes=shapes, async_op=async_op)
 
-    if world > 1:  # every rank starts from rank 0's parameters
-        for p in model.parameters():
-            dist.broadcast(p.data, 0)
-    gen = torch.Generator().manual_seed(task.seed * 1000 + me + 7)
     micro = accumulate if mode == "accumulate" else 1
-    # the rank's data, made before the clock starts (as a loader that keeps up would):
-    # a pool of batches cycled through, so a step times the model, not the data
-    pool = [task.batch_of(task.batch, gen) for _ in range(min(steps * micro, POOL))]
+    pool = _start(task, model, world, me, steps * micro)
     history = History(mode)
     in_flight: deque = deque()  # stale mode: (handle, gradient, start, w_then) oldest first
-    factor = float(slow.get(me, 1.0))
     clock = 0.0  # training time only: evaluation is not counted
-
-    def span(name, start, lane="compute"):
-        if timeline is not None:
-            timeline.add(name, start, time.perf_counter(), lane)
+    span = _spans(timeline)
 
     def record(step):
         history.step.append(step)
         history.wall.append(clock)
         history.loss.append(_eval_loss(task, model, all_reduce))
 
-    nominal = _nominal_compute(model, pool, micro) if slow else 0.0
-    # no barrier between steps: a rank waits only where its mode communicates (and at
-    # the evaluations, whose time is not counted), so a fast rank runs ahead as far as
-    # the mode lets it
+    slowed = (float(slow.get(me, 1.0)), _nominal_compute(model, pool, micro) if slow else 0.0)
+    # no barrier between steps: a rank waits only where its mode communicates (and at the
+    # evaluations, whose time is not counted): a fast rank runs ahead as far as it lets it
     record(0)
     for step in range(1, steps + 1):
         t0 = time.perf_counter()
         # ---- compute: one gradient (or `accumulate` of them), slowed on a straggler
-        model.zero_grad(set_to_none=True)
-        for i in range(micro):
-            x, y = pool[((step - 1) * micro + i) % len(pool)]
-            (torch.nn.functional.mse_loss(model(x), y) / micro).backward()
-        computed = time.perf_counter() - t0
-        span("forward+backward", t0)
-        if factor > 1:  # stretched to `factor` times the others' usual compute
-            t1 = time.perf_counter()
-            _stretch(factor * nominal - computed)
-            span("straggling", t1)
-        history.compute_time.append(time.perf_counter() - t0)
+        history.compute_time.append(_compute(model, pool, step, micro, slowed, span, t0))
         grad = _flat_grads(model)
         # ---- communicate and update, by mode
         t2 = time.perf_counter()

@@ -135,6 +135,57 @@ def parse_size(text: str) -> int:
     return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
+def _fitted(link) -> dict:
+    """The link's α, β and the reduction's γ (``a``, ``b``, ``g``), fitted from a ping-pong
+    over it; said."""
+    probe = [8 * 4**k for k in range(12)]
+    fitted = dict(
+        zip("abg", launch(_fit_link, probe, world_size=2, link=link, quiet=True)[0], strict=True)
+    )
+    print(
+        f"{link}: fitted from a ping-pong over it: α = {fitted['a'] * 1e6:.1f} µs, "
+        f"1/β = {costmodel.bandwidth_gbps(fitted['b']):.3f} GB/s; "
+        f"reduction γ = {fitted['g'] * 1e9:.3f} ns/byte"
+    )
+    return fitted
+
+
+def _row(world: int, nbytes: int, a: str, medians: dict, factor: float, link, fitted: dict):
+    """The row of algorithm ``a`` at ``nbytes`` on ``world`` ranks: its time and bandwidths;
+    against the built-in without a link, against the link's bound and the model with one
+    (``factor``: the bus-bandwidth factor)."""
+    t = medians[a]
+    row = {
+        "world": world,
+        "bytes": nbytes,
+        "algorithm": a,
+        "time_ms": t * 1e3,
+        "algbw_GBps": nbytes / t / 1e9,
+        "busbw_GBps": nbytes / t / 1e9 * factor,
+    }
+    if link is None:
+        row["x_builtin"] = medians["builtin"] / t if "builtin" in medians else float("nan")
+    else:
+        bound = costmodel.ring_all_reduce(nbytes, world, link.alpha, link.beta)
+        predict = {
+            "naive": costmodel.naive_all_reduce,
+            "ring": costmodel.ring_all_reduce,
+            "ring_async": costmodel.ring_all_reduce,
+        }
+        model = predict[a](nbytes, world, fitted["a"], fitted["b"], fitted["g"])
+        machine = medians[f"{a}@machine"]
+        link_only = predict[a](nbytes, world, link.alpha, link.beta)  # no γ: the link
+        row.update(
+            bound_ms=bound * 1e3,
+            efficiency=bound / t,
+            model_ms=model * 1e3,
+            model_err=(t - model) / model if model else float("nan"),
+            machine_ms=machine * 1e3,
+            limit="machine" if machine >= MACHINE_SHARE * link_only else "link",
+        )
+    return row
+
+
 def run(
     sizes=("1K", "16K", "256K", "1M", "4M", "16M", "64M"),
     world_sizes=(2, 4),
@@ -151,19 +202,7 @@ def run(
     unknown = set(algorithms) - set(ALGORITHMS)
     if unknown:
         raise ValueError(f"unknown algorithms {sorted(unknown)}: choose from {sorted(ALGORITHMS)}")
-    fitted = {}
-    if link is not None:
-        probe = [8 * 4**k for k in range(12)]
-        fitted = dict(
-            zip(
-                "abg", launch(_fit_link, probe, world_size=2, link=link, quiet=True)[0], strict=True
-            )
-        )
-        print(
-            f"{link}: fitted from a ping-pong over it: α = {fitted['a'] * 1e6:.1f} µs, "
-            f"1/β = {costmodel.bandwidth_gbps(fitted['b']):.3f} GB/s; "
-            f"reduction γ = {fitted['g'] * 1e9:.3f} ns/byte"
-        )
+    fitted = _fitted(link) if link is not None else {}
     rows = []
     combos = [(w, s) for w in world_sizes for s in sizes]
     for world, nbytes in tqdm(combos, desc="bench collectives", unit="size", file=sys.stderr):
@@ -172,36 +211,7 @@ def run(
         factor = costmodel.BUSBW_FACTOR["all_reduce"](world)
         medians = {a: statistics.median(ts) for a, ts in times.items()}
         for a in algorithms:
-            t = medians[a]
-            row = {
-                "world": world,
-                "bytes": nbytes,
-                "algorithm": a,
-                "time_ms": t * 1e3,
-                "algbw_GBps": nbytes / t / 1e9,
-                "busbw_GBps": nbytes / t / 1e9 * factor,
-            }
-            if link is None:
-                row["x_builtin"] = medians["builtin"] / t if "builtin" in medians else float("nan")
-            else:
-                bound = costmodel.ring_all_reduce(nbytes, world, link.alpha, link.beta)
-                predict = {
-                    "naive": costmodel.naive_all_reduce,
-                    "ring": costmodel.ring_all_reduce,
-                    "ring_async": costmodel.ring_all_reduce,
-                }
-                model = predict[a](nbytes, world, fitted["a"], fitted["b"], fitted["g"])
-                machine = medians[f"{a}@machine"]
-                link_only = predict[a](nbytes, world, link.alpha, link.beta)  # no γ: the link
-                row.update(
-                    bound_ms=bound * 1e3,
-                    efficiency=bound / t,
-                    model_ms=model * 1e3,
-                    model_err=(t - model) / model if model else float("nan"),
-                    machine_ms=machine * 1e3,
-                    limit="machine" if machine >= MACHINE_SHARE * link_only else "link",
-                )
-            rows.append(row)
+            rows.append(_row(world, nbytes, a, medians, factor, link, fitted))
     print(format_table(rows))
     if any(r.get("limit") == "machine" for r in rows):
         print(

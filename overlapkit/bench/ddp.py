@@ -189,6 +189,84 @@ def _model_terms(result, link):
     return 0.0, max(0.0, full - host.per_op) / (factor * total)
 
 
+def _print_setup(result: dict, shape: tuple, world: int, link) -> None:
+    """What was measured once: the model (``shape`` = layers, width, bias), its times and
+    the host's cost per AllReduce."""
+    layers, width, bias = shape
+    profile, host = result["profile"], result["host"]
+    print(
+        f"model: {layers} × Linear({width}, {width}{'' if bias else ', bias=False'}) + ReLU, "
+        f"{profile.total_bytes / 2**20:.2f} MiB "
+        f"of gradients, batch {result['batch']} per rank, {world} ranks, "
+        f"{'the kit ring over ' + str(link) if link else 'gloo built-in AllReduce, no link'}"
+    )
+    print(
+        f"measured once: forward {profile.forward * 1e3:.2f} ms, backward "
+        f"{profile.backward * 1e3:.2f} ms, optimizer {result['optimizer'] * 1e3:.2f} ms, one "
+        f"AllReduce of all gradients {result['full'] * 1e3:.2f} ms"
+    )
+    print(
+        f"host cost per AllReduce beyond α-β: {host.per_op * 1e3:.3f} ms idle, "
+        f"{host.per_op_busy * 1e3:.3f} ms while the rank computes; CPU "
+        f"{host.cpu_per_op * 1e3:.3f} ms + {host.cpu_per_byte * 2**20 * 1e3:.3f} ms/MiB "
+        "(taken from an overlapped backward: each rank has about one core)"
+    )
+
+
+def _rows(result: dict, world: int, alpha: float, beta: float) -> list[dict]:
+    """A row per configuration measured: its times, the model's prediction, the ratios."""
+    profile, host = result["profile"], result["host"]
+    naive_step = next(r["step"] for r in result["rows"] if r["config"][0] == "naive")
+    torch_step = {r["config"][1]: r["step"] for r in result["rows"] if r["config"][0] == "torch"}
+    rows = []
+    for r in result["rows"]:
+        kind, mb = r["config"]
+        strategy = "bucketed" if kind == "torch" else kind
+        model = costmodel.ddp_step(profile.ready, profile.forward, profile.backward, world,
+                                   alpha, beta, strategy, mb, host=host)  # fmt: skip
+        predicted = model["step"] + result["optimizer"]
+        rows.append(
+            {
+                "config": kind,
+                "bucket_mb": mb if mb is not None else float("nan"),
+                "buckets": r["buckets"] if r["buckets"] is not None else model["buckets"],
+                "step_ms": r["step"] * 1e3,
+                "comm_ms": r["comm"] * 1e3 if r["comm"] else float("nan"),
+                "hidden": r["hidden"] if r["hidden"] is not None else float("nan"),
+                "overlap": r["overlap"] if r["overlap"] is not None else float("nan"),
+                "predicted_ms": predicted * 1e3,
+                "pred_err": (predicted - r["step"]) / r["step"],
+                "x_naive": r["step"] / naive_step,
+                "x_torch": r["step"] / torch_step[mb] if mb in torch_step else float("nan"),
+            }
+        )
+    return rows
+
+
+def _print_best_bucket(bucketed: list, profile, bucket_sweep, predicted_best: float) -> None:
+    """The measured best bucket size against the predicted one, in sweep points apart
+    (sizes that cut the gradients into the same buckets are one point)."""
+    measured_best = min(bucketed, key=lambda r: r["step_ms"])
+    sizes = [nbytes for _, nbytes in profile.ready]
+    points: list = []
+    for mb in bucket_sweep:
+        cut = costmodel.ddp_buckets(sizes, mb)
+        if not points or points[-1][1] != cut:
+            points.append(([mb], cut))
+        else:
+            points[-1][0].append(mb)
+    where = {mb: k for k, (mbs, _) in enumerate(points) for mb in mbs}
+    apart = abs(where[measured_best["bucket_mb"]] - where[predicted_best])
+    same = [f"{'/'.join(f'{m:g}' for m in mbs)}" for mbs, _ in points if len(mbs) > 1]
+    print(
+        f"best bucket size: measured {measured_best['bucket_mb']:g} MiB "
+        f"({measured_best['step_ms']:.1f} ms), predicted {predicted_best:g} MiB "
+        f"({apart} sweep point{'s' if apart != 1 else ''} apart"
+        + (f"; {', '.join(same)} MiB make the same buckets: one point" if same else "")
+        + ")"
+    )
+
+
 def run(
     layers: int = 8,
     width: int = 512,
@@ -214,50 +292,10 @@ def run(
         backward_ratio, torch_ddp, total=total, desc="bench ddp", world_size=world, link=link,
         quiet=True, timeout=1800,
     )[0]  # fmt: skip
-    profile = result["profile"]
+    profile, host = result["profile"], result["host"]
     alpha, beta = _model_terms(result, link)
-    host = result["host"]
-    print(
-        f"model: {layers} × Linear({width}, {width}{'' if bias else ', bias=False'}) + ReLU, "
-        f"{profile.total_bytes / 2**20:.2f} MiB "
-        f"of gradients, batch {result['batch']} per rank, {world} ranks, "
-        f"{'the kit ring over ' + str(link) if link else 'gloo built-in AllReduce, no link'}"
-    )
-    print(
-        f"measured once: forward {profile.forward * 1e3:.2f} ms, backward "
-        f"{profile.backward * 1e3:.2f} ms, optimizer {result['optimizer'] * 1e3:.2f} ms, one "
-        f"AllReduce of all gradients {result['full'] * 1e3:.2f} ms"
-    )
-    print(
-        f"host cost per AllReduce beyond α-β: {host.per_op * 1e3:.3f} ms idle, "
-        f"{host.per_op_busy * 1e3:.3f} ms while the rank computes; CPU "
-        f"{host.cpu_per_op * 1e3:.3f} ms + {host.cpu_per_byte * 2**20 * 1e3:.3f} ms/MiB "
-        "(taken from an overlapped backward: each rank has about one core)"
-    )
-    naive_step = next(r["step"] for r in result["rows"] if r["config"][0] == "naive")
-    torch_step = {r["config"][1]: r["step"] for r in result["rows"] if r["config"][0] == "torch"}
-    rows = []
-    for r in result["rows"]:
-        kind, mb = r["config"]
-        strategy = "bucketed" if kind == "torch" else kind
-        model = costmodel.ddp_step(profile.ready, profile.forward, profile.backward, world,
-                                   alpha, beta, strategy, mb, host=host)  # fmt: skip
-        predicted = model["step"] + result["optimizer"]
-        rows.append(
-            {
-                "config": kind,
-                "bucket_mb": mb if mb is not None else float("nan"),
-                "buckets": r["buckets"] if r["buckets"] is not None else model["buckets"],
-                "step_ms": r["step"] * 1e3,
-                "comm_ms": r["comm"] * 1e3 if r["comm"] else float("nan"),
-                "hidden": r["hidden"] if r["hidden"] is not None else float("nan"),
-                "overlap": r["overlap"] if r["overlap"] is not None else float("nan"),
-                "predicted_ms": predicted * 1e3,
-                "pred_err": (predicted - r["step"]) / r["step"],
-                "x_naive": r["step"] / naive_step,
-                "x_torch": r["step"] / torch_step[mb] if mb in torch_step else float("nan"),
-            }
-        )
+    _print_setup(result, (layers, width, bias), world, link)
+    rows = _rows(result, world, alpha, beta)
     print(format_table(rows))
     if link is None:
         print(
@@ -272,26 +310,7 @@ def run(
                                               world, alpha, beta, host=host,
                                               candidates=bucket_sweep)  # fmt: skip
     if bucketed:
-        measured_best = min(bucketed, key=lambda r: r["step_ms"])
-        # sizes that cut the gradients into the same buckets are one point of the sweep
-        sizes = [nbytes for _, nbytes in profile.ready]
-        points: list = []
-        for mb in bucket_sweep:
-            cut = costmodel.ddp_buckets(sizes, mb)
-            if not points or points[-1][1] != cut:
-                points.append(([mb], cut))
-            else:
-                points[-1][0].append(mb)
-        where = {mb: k for k, (mbs, _) in enumerate(points) for mb in mbs}
-        apart = abs(where[measured_best["bucket_mb"]] - where[predicted_best])
-        same = [f"{'/'.join(f'{m:g}' for m in mbs)}" for mbs, _ in points if len(mbs) > 1]
-        print(
-            f"best bucket size: measured {measured_best['bucket_mb']:g} MiB "
-            f"({measured_best['step_ms']:.1f} ms), predicted {predicted_best:g} MiB "
-            f"({apart} sweep point{'s' if apart != 1 else ''} apart"
-            + (f"; {', '.join(same)} MiB make the same buckets: one point" if same else "")
-            + ")"
-        )
+        _print_best_bucket(bucketed, profile, bucket_sweep, predicted_best)
     label = best["config"] + (f" {best['bucket_mb']:g} MiB" if best["config"] == "bucketed" else "")
     print(
         f"best configuration: {label}: {best['step_ms']:.1f} ms per step, "

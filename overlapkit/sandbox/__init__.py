@@ -13,7 +13,12 @@ grader's guide says how); nothing here replaces that.
 module              what it keeps the learner's code from doing
 ==================  =========================================================================
 :mod:`.answers`     running the kit's own answer to the exercise, by any name, on any thread,
-                    or a copy of it (compiled anew, renamed, edited): the *watch*
+                    or a copy of it (compiled anew, renamed, edited): each check's answers;
+                    the *watch* (:mod:`.watch`) and its parts: :mod:`.codes` (an answer's
+                    code objects), :mod:`.copies` (a copy told from the work), :mod:`.origins`
+                    (whose code a frame runs), :mod:`.disarm` (answers that refuse to run),
+                    :mod:`.sightings` (what a rank's watch sends out), :mod:`.told` (what the
+                    learner is told)
 :mod:`.sealed`      running code in the *judge*: a learner's function travels as sealed bytes
                     that unpickle only on a rank; a single-process exercise runs in a process
                     of its own; an audit hook (PEP 578) guards the call

@@ -7,7 +7,7 @@ from .. import warmup
 from . import answers
 
 answers.library()
-answers._trusted()  # the same for the ids of the kit's and torch.distributed's code
+answers._trusted()  # the same for the ids of the kit's own code (torch's is told by its place)
 
 # every rank is forked from this process: nothing above may initialise CUDA
 warmup.assert_no_device_initialised()

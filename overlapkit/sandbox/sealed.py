@@ -301,35 +301,14 @@ def _guard_the_call(files: bool = True) -> None:
 
     import overlapkit  # noqa: PLC0415
 
-    kit = os.path.dirname(os.path.realpath(overlapkit.__file__)) + os.sep
-    marker = _the_call.__code__
-    main = threading.get_ident()  # the call runs in this thread
     from . import answers  # noqa: PLC0415
 
-    # the code that puts a new thread under the watch: threading's start, and answers'
-    raw = answers._raw_threads_watched.__wrapped__.__code__
-    from ..ordering import worker_code  # noqa: PLC0415
-
-    takes_the_watch_on = {threading.Thread._bootstrap_inner.__code__, *_nested_code(raw, "run"),
-                          worker_code()}  # fmt: skip
-    calls_c = answers.library()[1]
-
-    frames_of_threads = _frames_of_threads()
-
-    def inside() -> bool:
-        """Is the learner's call running (seen from the thread that runs it)?"""
-        if threading.get_ident() == main:
-            frame = sys._getframe(2)
-        else:
-            frame = frames_of_threads().get(main)
-        while frame is not None:
-            if frame.f_code is marker:
-                return True
-            frame = frame.f_back
-        return False
-
+    kit = os.path.dirname(os.path.realpath(overlapkit.__file__)) + os.sep
+    main = threading.get_ident()  # the call runs in this thread
+    inside = _inside_the_call(main)
+    takes_the_watch_on = _watch_takers()
+    guarded = (kit, files, answers.library()[1], takes_the_watch_on)
     made = answers.code_made_meanwhile()
-
     # what may move the profiler once the call is over: on a check's rank the watch stays
     # on until the rank's value has left (answers.running), so that a finaliser or a handle
     # the rank waits for at its end cannot switch it off and run the kit's answer unseen
@@ -343,65 +322,118 @@ def _guard_the_call(files: bool = True) -> None:
         if event in _PROFILERS and not inside():
             if sys._getframe(1).f_code in moves_the_watch:
                 return
-            _REFUSED.append(f"your code called {event} after your function had returned: "
-                            "the check's watch stays the profiler until the rank's value "
-                            "has left")  # fmt: skip
-            raise RuntimeError(_REFUSED[-1])
+            raise _refusal(RuntimeError, f"your code called {event} after your function had "
+                           "returned: the check's watch stays the profiler until the rank's "
+                           "value has left")  # fmt: skip
         if event not in _GUARDED or not inside():
             return
         elsewhere = threading.get_ident() != main
-        if event == "object.__setattr__":
-            if args[1] in ("__code__", "__globals__", "__closure__"):
-                _REFUSED.append(f"your function set a function's {args[1]}: while it runs, "
-                                "the check's answers keep the code they have")  # fmt: skip
-                raise RuntimeError(_REFUSED[-1])
-            return
-        if event == "open":
-            path = args[0]
-            if isinstance(path, int):
-                return
-            try:  # (a link to the kit's file is the kit's file)
-                path = os.path.realpath(os.fsdecode(path))
-            except (TypeError, ValueError):
-                return
-            if not path.startswith(kit):
-                return
-            # source lines, read for a warning or a traceback (linecache, tokenize), are
-            # refused without a verdict: linecache then shows no line; and a copy of the
-            # kit's source taken that way (inspect.getsource) is none to be had
-            if sys._getframe(1).f_code.co_filename.endswith(_LINE_READERS):
-                raise PermissionError("the kit's source is not read while a check runs")
-            # without ``files`` (a recorded check's ranks import the kit lazily): only a
-            # module already imported, whose fresh copy would not be disarmed (in lab 13,
-            # compression.py loaded again under another name and run on a thread
-            # started from C, which no profiler watches)
-            if not files and not _imported(path[len(kit) :]):
-                return
-            _REFUSED.append(f"your function opened the kit's own file {path[len(kit) :]}: "
-                            "an exercise is written, not loaded from the kit")  # fmt: skip
-            raise PermissionError(_REFUSED[-1])
-        elif event.startswith("ctypes."):
-            frame = sys._getframe(1)
-            for _ in range(4):  # (through ctypes' own Python: CDLL() opens the library)
-                if frame is None:
-                    break
-                if frame.f_code in calls_c:  # the kit's own shared-memory link, timer slack
-                    return
-                frame = frame.f_back
-            _REFUSED.append(f"your function called C code through ctypes ({event}): an "
-                            "exercise never needs it (a thread started from C, or memory read "
-                            "by its address, is out of the check's sight)")  # fmt: skip
-            raise RuntimeError(_REFUSED[-1])
-        elif event.startswith("gc."):  # what finds the watch's state by its references
-            _REFUSED.append(f"your function called {event}: an exercise never needs the "
-                            "garbage collector's view of the check")  # fmt: skip
-            raise RuntimeError(_REFUSED[-1])
-        elif not (elsewhere and sys._getframe(1).f_code in takes_the_watch_on):
-            _REFUSED.append(f"your function called {event}: while it runs, the check's watch "
-                            "is the profiler")  # fmt: skip
-            raise RuntimeError(_REFUSED[-1])
+        refused = _refusal_of(event, args, sys._getframe(1), elsewhere, guarded)
+        if refused is not None:
+            raise refused
 
     sys.addaudithook(hook)
+
+
+def _inside_the_call(main: int):
+    """``inside()``: is the learner's call running (seen from the thread that runs it,
+    ``main``)? Called by the guard's hook, from the frame of the audited operation."""
+    import threading  # noqa: PLC0415
+
+    marker = _the_call.__code__
+    frames_of_threads = _frames_of_threads()
+
+    def inside() -> bool:
+        if threading.get_ident() == main:
+            frame = sys._getframe(2)
+        else:
+            frame = frames_of_threads().get(main)
+        while frame is not None:
+            if frame.f_code is marker:
+                return True
+            frame = frame.f_back
+        return False
+
+    return inside
+
+
+def _watch_takers() -> set:
+    """The code that puts a new thread under the watch: threading's start, ``answers``'
+    raw threads, the kit's communication worker."""
+    import threading  # noqa: PLC0415
+
+    from ..ordering import worker_code  # noqa: PLC0415
+    from . import answers  # noqa: PLC0415
+
+    raw = answers._raw_threads_watched.__wrapped__.__code__
+    return {threading.Thread._bootstrap_inner.__code__, *_nested_code(raw, "run"),
+            worker_code()}  # fmt: skip
+
+
+def _refusal(kind: type, text: str) -> BaseException:
+    """The exception the guard raises, its text noted (a caught refusal still counts)."""
+    _REFUSED.append(text)
+    return kind(text)
+
+
+def _refusal_of(event, args, caller, elsewhere: bool, guarded: tuple) -> BaseException | None:
+    """What the guard raises for a guarded ``event`` while the learner's call runs (None:
+    let by). ``caller``: the frame of the audited operation; ``elsewhere``: on another
+    thread than the call's; ``guarded``: (the kit's directory, ``files``, the code that
+    may call C, the code that puts a new thread under the watch)."""
+    kit, files, calls_c, takes_the_watch_on = guarded
+    if event == "object.__setattr__":
+        if args[1] in ("__code__", "__globals__", "__closure__"):
+            return _refusal(RuntimeError, f"your function set a function's {args[1]}: while "
+                            "it runs, the check's answers keep the code they have")  # fmt: skip
+        return None
+    if event == "open":
+        return _opening(args[0], caller, kit, files)
+    if event.startswith("ctypes."):
+        frame = caller
+        for _ in range(4):  # (through ctypes' own Python: CDLL() opens the library)
+            if frame is None:
+                break
+            if frame.f_code in calls_c:  # the kit's own shared-memory link, timer slack
+                return None
+            frame = frame.f_back
+        return _refusal(RuntimeError, f"your function called C code through ctypes ({event}): "
+                        "an exercise never needs it (a thread started from C, or memory read "
+                        "by its address, is out of the check's sight)")  # fmt: skip
+    if event.startswith("gc."):  # what finds the watch's state by its references
+        return _refusal(RuntimeError, f"your function called {event}: an exercise never needs "
+                        "the garbage collector's view of the check")  # fmt: skip
+    if not (elsewhere and caller.f_code in takes_the_watch_on):
+        return _refusal(RuntimeError, f"your function called {event}: while it runs, the "
+                        "check's watch is the profiler")  # fmt: skip
+    return None
+
+
+def _opening(path, caller, kit: str, files: bool) -> BaseException | None:
+    """What the guard raises when the learner's call opens ``path`` from ``caller``: the
+    kit's own files are refused (None: let by)."""
+    if isinstance(path, int):
+        return None
+    try:  # (a link to the kit's file is the kit's file)
+        path = os.path.realpath(os.fsdecode(path))
+    except (TypeError, ValueError):
+        return None
+    if not path.startswith(kit):
+        return None
+    # source lines, read for a warning or a traceback (linecache, tokenize), are
+    # refused without a verdict: linecache then shows no line; and a copy of the
+    # kit's source taken that way (inspect.getsource) is none to be had
+    if caller.f_code.co_filename.endswith(_LINE_READERS):
+        return PermissionError("the kit's source is not read while a check runs")
+    # without ``files`` (a recorded check's ranks import the kit lazily): only a
+    # module already imported, whose fresh copy would not be disarmed (in lab 13,
+    # compression.py loaded again under another name and run on a thread
+    # started from C, which no profiler watches)
+    if not files and not _imported(path[len(kit) :]):
+        return None
+    return _refusal(PermissionError, f"your function opened the kit's own file "
+                    f"{path[len(kit) :]}: an exercise is written, not loaded from the "
+                    "kit")  # fmt: skip
 
 
 def _frames_of_threads():
