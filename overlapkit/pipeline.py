@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import p2p, runtime
-from .plans import PIPELINE, Action, format_schedule  # noqa: F401 - format_schedule: ok.pipeline's
+from .plans import PIPELINE, Action, format_schedule  # noqa: F401 - ok.pipeline's too
 
 SCHEDULES = ("sequential", "gpipe", "1f1b")
 
