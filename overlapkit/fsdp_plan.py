@@ -3,10 +3,13 @@
 ``"gather K"``, ``"wait K"``, ``"forward K"``, ``"backward K"``, ``"free K"``, ``"reduce K"``
 and ``"finish"`` drive ``ok.FullyShardedDP``'s own gathers, frees and ReduceScatters
 (:meth:`FullyShardedDP.run_plan <overlapkit.fsdp.FullyShardedDP.run_plan>`); an action that
-does not parse, or that computes with a unit that is not whole, raises :class:`PlanError`.
+does not parse (its words are :data:`overlapkit.plans.FSDP`'s), or that computes with a unit
+that is not whole, raises :class:`PlanError`.
 """
 
 from __future__ import annotations
+
+from .plans import FSDP, Finish, PlanSyntaxError, UnitAction
 
 
 class PlanError(RuntimeError):
@@ -14,18 +17,19 @@ class PlanError(RuntimeError):
     an action that does not exist."""
 
 
-_ACTIONS = ("gather", "wait", "forward", "backward", "free", "reduce")
-
-
 def _parse_action(action, n: int, i: int) -> tuple[str, int | None]:
-    words = action.split() if isinstance(action, str) else []
-    if words == ["finish"]:
+    """Action ``i`` (1-based) of a plan for ``n`` units, read by :data:`overlapkit.plans.FSDP`:
+    (its op, its unit; None for "finish")."""
+    try:
+        step = FSDP.parse_step(action)
+    except PlanSyntaxError:
+        step = None
+    if isinstance(step, Finish):
         return "finish", None
-    if len(words) == 2 and words[0] in _ACTIONS and words[1].isdigit() and int(words[1]) < n:
-        return words[0], int(words[1])
+    if isinstance(step, UnitAction) and 0 <= step.unit < n:
+        return step.op, step.unit
     raise PlanError(
-        f"action {i} {action!r}: expected 'gather K', 'wait K', 'forward K', 'backward K', "
-        f"'free K', 'reduce K' or 'finish', with K a unit from 0 to {n - 1}"
+        f"action {i} {action!r}: expected {FSDP.expected()}, with K a unit from 0 to {n - 1}"
     )
 
 

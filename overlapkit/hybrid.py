@@ -37,7 +37,7 @@ other's bytes.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,7 @@ from . import runtime
 from .collectives import buckets_by_size, ring_all_reduce
 from .ordering import labelled
 from .pipeline import PipelineStage, StepResult, make_schedule
+from .plans import HYBRID, Finish, Flush, PlanSyntaxError, Reduce
 from .timeline import COMM, COMPUTE, Timeline, intersect, is_comm, length, union
 
 DP_STARTS = ("flush", "after", "overlap")
@@ -102,7 +103,12 @@ class HybridResult:
 
 
 class PlanError(ValueError):
-    """A hybrid plan that cannot run: the message names the action and the rule."""
+    """A hybrid plan that cannot run: the message names the action and the rule; ``at``:
+    that action's index in the plan (``len(plan)``: after its end; None: no one action)."""
+
+    def __init__(self, message: str, at: int | None = None):
+        super().__init__(message)
+        self.at = at
 
 
 def plan_for(dp_start: str, actions: list[str], stage: int, buckets: int) -> list[str]:
@@ -155,8 +161,7 @@ class HybridStage:
 
     def actions(self, micro_batches: int, schedule: str = "1f1b") -> list[str]:
         """This stage's pipeline actions for one step, in order: "F k" and "B k"."""
-        plan = make_schedule(schedule, self.mesh.pp, micro_batches)[self.mesh.stage]
-        return [f"{a.op} {a.micro}" for a in plan]
+        return HYBRID.texts(make_schedule(schedule, self.mesh.pp, micro_batches)[self.mesh.stage])
 
     def step(self, inputs=None, targets=None, loss_fn=None, micro_batches: int = 1,
              schedule: str = "1f1b", dp_start: str = "overlap",
@@ -300,50 +305,32 @@ def parse_plan(plan, actions: list[str], buckets: int):
     """A step's plan read against the pipeline's ``actions`` (in schedule order) and the
     number of gradient ``buckets``: (per pipeline action: (its text, launches AllReduces
     as ready?), per pipeline action: the events after it), or PlanError naming the first
-    action that cannot run."""
+    action that cannot run (its ``at``: that action's index in the plan). The words are
+    :data:`overlapkit.plans.HYBRID`'s; this says whether they run."""
     if isinstance(plan, str) or not hasattr(plan, "__iter__"):
         raise PlanError(f"a plan is a list of actions (strings), not {type(plan).__name__}")
+    want = HYBRID.parse(actions)
     steps, after, reduced, finished = [], [], set(), False
     for i, raw in enumerate(plan):
         where = f"plan[{i}] {raw!r}"
         if not isinstance(raw, str):
-            raise PlanError(f"{where}: each action is a string such as 'B 1' or 'reduce 0'")
-        words = raw.split()
+            raise PlanError(f"{where}: each action is a string such as 'B 1' or 'reduce 0'", i)
         if finished:
-            raise PlanError(f"{where} comes after 'finish', which ends the step")
-        if words and words[0] in ("F", "B"):
-            ready = words[-1] == "ready"
-            text = " ".join(words[:-1] if ready else words)
-            k = len(steps)
-            if k >= len(actions) or text != actions[k]:
-                want = actions[k] if k < len(actions) else "nothing more: every action ran"
-                order = " ".join(a.replace(" ", "") for a in actions)
-                raise PlanError(f"{where}: the schedule runs {want!r} here (its actions, in "
-                                f"order: {order})")  # fmt: skip
-            if ready and text[0] != "B":
-                raise PlanError(f"{where}: only a backward launches AllReduces as it goes")
-            steps.append((text, ready))
+            raise PlanError(f"{where} comes after 'finish', which ends the step", i)
+        if raw.split()[:1] in (["F"], ["B"]):  # a pipeline action, right or wrong
+            steps.append(_pipeline_action(where, i, raw, want, actions, len(steps)))
             after.append([])
             continue
         if not steps:
-            raise PlanError(f"{where}: nothing to reduce before the first pipeline action")
-        if words[:1] == ["reduce"] and len(words) == 2 and words[1].isdigit():
-            b = int(words[1])
-            if b >= buckets:
-                raise PlanError(f"{where}: there is no bucket {b} (buckets 0 … {buckets - 1})")
-            if b in reduced:
-                raise PlanError(f"{where}: bucket {b} is reduced twice")
-            reduced.add(b)
-            after[-1].append(("reduce", b))
-        elif words == ["flush"]:
-            after[-1].append(("flush",))
-        elif words == ["finish"]:
+            raise PlanError(f"{where}: nothing to reduce before the first pipeline action", i)
+        event = _event(where, i, raw, buckets, reduced)
+        if isinstance(event, Finish):
             finished = True
         else:
-            raise PlanError(f"{where}: not an action ('F k', 'B k', 'B k ready', 'reduce b', "
-                            "'flush', 'finish')")  # fmt: skip
+            after[-1].append(event)
     if len(steps) < len(actions):
-        raise PlanError(f"the plan stops before the schedule's {actions[len(steps)]!r}")
+        raise PlanError(f"the plan stops before the schedule's {actions[len(steps)]!r}",
+                        len(plan))  # fmt: skip
     readies = [i for i, (_, r) in enumerate(steps) if r]
     if len(readies) > 1 or (readies and reduced):
         last = next(text for text, _ in reversed(steps) if text.startswith("B"))
@@ -351,11 +338,53 @@ def parse_plan(plan, actions: list[str], buckets: int):
                         f"(on the last backward, {last + ' ready'!r}), with no 'reduce b' "
                         "besides")  # fmt: skip
     if not finished:
-        raise PlanError("the plan never says 'finish': the AllReduces are never waited for")
+        raise PlanError("the plan never says 'finish': the AllReduces are never waited for",
+                        len(plan))  # fmt: skip
     if buckets and not readies and len(reduced) < buckets:
         missing = sorted(set(range(buckets)) - reduced)
         raise PlanError(f"bucket(s) {missing} never reduced")
     return steps, after
+
+
+def _pipeline_action(where: str, i: int, raw: str, want: list, actions: list[str], k: int):
+    """``raw``, the plan's k-th pipeline action, as (the schedule's text, ready?), if it is
+    the one the schedule runs k-th."""
+    try:
+        step = HYBRID.parse_step(raw)
+    except PlanSyntaxError:
+        step = None
+    # as the schedule writes it: the same step written otherwise ("F 01") is not taken
+    if (step is None or k >= len(want) or replace(step, ready=False) != want[k]
+            or HYBRID.show_step(step) != " ".join(raw.split())):  # fmt: skip
+        due = actions[k] if k < len(actions) else "nothing more: every action ran"
+        order = " ".join(a.replace(" ", "") for a in actions)
+        raise PlanError(f"{where}: the schedule runs {due!r} here (its actions, in "
+                        f"order: {order})", i)  # fmt: skip
+    if step.ready and step.op != "B":
+        raise PlanError(f"{where}: only a backward launches AllReduces as it goes", i)
+    return actions[k], step.ready
+
+
+def _event(where: str, i: int, raw: str, buckets: int, reduced: set):
+    """``raw``, a data-parallel event: ("reduce", b), ("flush",) or Finish() (bucket b
+    noted in ``reduced``)."""
+    try:
+        step = HYBRID.parse_step(raw)
+    except PlanSyntaxError:
+        step = None
+    if isinstance(step, Reduce) and step.bucket >= 0:
+        b = step.bucket
+        if b >= buckets:
+            raise PlanError(f"{where}: there is no bucket {b} (buckets 0 … {buckets - 1})", i)
+        if b in reduced:
+            raise PlanError(f"{where}: bucket {b} is reduced twice", i)
+        reduced.add(b)
+        return ("reduce", b)
+    if isinstance(step, Flush):
+        return ("flush",)
+    if isinstance(step, Finish):
+        return step
+    raise PlanError(f"{where}: not an action ({HYBRID.expected(',')})", i)
 
 
 def _under_work(timeline: Timeline, r: int, lane: str, pipelines) -> tuple[float, float]:

@@ -16,7 +16,8 @@ micro-batches only one stage works at a time; micro-batches keep several busy::
                                                            at most p micro-batches' activations
 
 A schedule is data — :func:`make_schedule` returns each stage's list of
-actions — and :class:`PipelineStage` executes it. With ``overlap=True`` a stage
+actions (:class:`~overlapkit.plans.Action`, written and read by :mod:`overlapkit.plans`)
+— and :class:`PipelineStage` executes it. With ``overlap=True`` a stage
 posts its receives early and does not wait for its sends, so activations and
 gradients travel (over ``ok.Link`` when one is set) while the next micro-batch
 computes; with ``overlap=False`` every send blocks until delivered and every
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import p2p, runtime
+from .plans import PIPELINE, Action, format_schedule  # noqa: F401 - ok.pipeline's too
 
 SCHEDULES = ("sequential", "gpipe", "1f1b")
 
@@ -43,19 +45,6 @@ SCHEDULES = ("sequential", "gpipe", "1f1b")
 #: ndim, then the per-sample shape (padded)
 _HEADER = 16
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
-
-
-@dataclass(frozen=True)
-class Action:
-    """One compute action of a stage: ``"F"`` (forward) or ``"B"`` (backward) of a micro-batch."""
-
-    op: str
-    micro: int
-
-    def __str__(self) -> str:
-        return f"{self.op}{self.micro}"
-
-    __repr__ = __str__
 
 
 def make_schedule(name: str, stages: int, micro_batches: int,
@@ -94,11 +83,6 @@ def make_schedule(name: str, stages: int, micro_batches: int,
         acts += [Action("B", k) for k in range(m - warmup, m)]
         out.append(acts)
     return out
-
-
-def format_schedule(schedule: list[list[Action]]) -> str:
-    """One line per stage: ``stage 0: F0 F1 B0 F2 B1 …``."""
-    return "\n".join(f"stage {s}: {' '.join(map(str, acts))}" for s, acts in enumerate(schedule))
 
 
 # --------------------------------------------------------------------------- execution
@@ -433,66 +417,85 @@ def run_on_one_device(stages: list[torch.nn.Module], inputs, targets, loss_fn,
     from .costmodel import pipeline_step  # noqa: PLC0415 - the simulation gives the order
 
     order = sorted(pipeline_step(plan, 1.0, 2.0)["spans"], key=lambda a: (a[2], a[0]))
-    device = inputs.device
-    cuda = device.type == "cuda"
-    streams = [torch.cuda.Stream(device) for _ in range(p)] if cuda else [None] * p
-    for stream in streams if cuda else ():
-        stream.wait_stream(torch.cuda.current_stream(device))  # after the inputs are made
-    xs, ys = torch.tensor_split(inputs, m), torch.tensor_split(targets, m)
-    batch = inputs.shape[0]
-    stash: dict = {}  # (stage, k) -> (input, output or loss)
-    ready: dict = {}  # ("act"|"grad", stage, k) -> (tensor, event)
-    losses = []
-    issued = []
-    held = [0] * p
-    peak = 0
+    run = _OneDevice(stages, inputs, targets, loss_fn, m, timeline)
     for s, name, _, _ in order:
-        k = int(name[1:])
-        stream = streams[s]
-        ctx = torch.cuda.stream(stream) if cuda else contextlib.nullcontext()
-        span = (timeline.cuda_span(f"{name}", f"stage {s}", stream) if cuda and timeline
-                else _host_span(timeline, name, f"stage {s}"))  # fmt: skip
-        with ctx:
-            if name[0] == "F":
-                if s == 0:
-                    x = xs[k]
-                else:
-                    x, event = ready.pop(("act", s, k))
-                    if cuda:
-                        stream.wait_event(event)
-                        x.record_stream(stream)
-                    x = x.detach().requires_grad_(True)
-                with span:
-                    out = stages[s](x)
-                    if s == p - 1:
-                        out = loss_fn(out, ys[k]) * (len(ys[k]) / batch)
-                        losses.append(out)
-                stash[(s, k)] = (x, out)
-                held[s] += 1
-                peak = max(peak, held[s])
-                if s < p - 1:
-                    ready[("act", s + 1, k)] = (out, _mark(stream))
-            else:
-                x, out = stash.pop((s, k))
-                held[s] -= 1
-                if s == p - 1:
-                    with span:
-                        out.backward()
-                else:
-                    grad, event = ready.pop(("grad", s, k))
-                    if cuda:
-                        stream.wait_event(event)
-                        grad.record_stream(stream)
-                    with span:
-                        out.backward(grad)
-                if s > 0:
-                    ready[("grad", s - 1, k)] = (x.grad, _mark(stream))
-        issued.append(f"{s}:{name}")
-    if cuda:
-        torch.cuda.synchronize(device)
-    total = sum(loss.item() for loss in losses)
-    return StepResult(p - 1, total, issued, peak_activations=peak,
-                      micro_sizes=[len(x) for x in xs])  # fmt: skip
+        run.do(s, PIPELINE.parse_step(name))
+    return run.result()
+
+
+class _OneDevice:
+    """The state of one step of every stage in this process: what each stage holds, and
+    what one stage has made for the next (an activation, a gradient) with the event that
+    says it is done on that stage's stream."""
+
+    def __init__(self, stages, inputs, targets, loss_fn, m: int, timeline):
+        self.stages, self.loss_fn, self.timeline = stages, loss_fn, timeline
+        self.p = len(stages)
+        self.device = inputs.device
+        self.cuda = self.device.type == "cuda"
+        self.streams = (
+            [torch.cuda.Stream(self.device) for _ in stages] if self.cuda else [None] * self.p
+        )
+        for stream in self.streams if self.cuda else ():
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # after the inputs are made
+        self.xs, self.ys = torch.tensor_split(inputs, m), torch.tensor_split(targets, m)
+        self.batch = inputs.shape[0]
+        self.stash: dict = {}  # (stage, k) -> (input, output or loss)
+        self.ready: dict = {}  # ("act"|"grad", stage, k) -> (tensor, event)
+        self.losses, self.issued = [], []
+        self.held = [0] * self.p
+        self.peak = 0
+
+    def do(self, s: int, action: Action) -> None:
+        name, stream = str(action), self.streams[s]
+        span = (self.timeline.cuda_span(name, f"stage {s}", stream) if self.cuda and self.timeline
+                else _host_span(self.timeline, name, f"stage {s}"))  # fmt: skip
+        with torch.cuda.stream(stream) if self.cuda else contextlib.nullcontext():
+            (self._forward if action.op == "F" else self._backward)(s, action.micro, span)
+        self.issued.append(f"{s}:{name}")
+
+    def _arrived(self, key: tuple, stream):
+        tensor, event = self.ready.pop(key)
+        if self.cuda:
+            stream.wait_event(event)
+            tensor.record_stream(stream)
+        return tensor
+
+    def _forward(self, s: int, k: int, span) -> None:
+        stream = self.streams[s]
+        x = self.xs[k] if s == 0 else self._arrived(("act", s, k), stream)
+        if s > 0:
+            x = x.detach().requires_grad_(True)
+        with span:
+            out = self.stages[s](x)
+            if s == self.p - 1:
+                out = self.loss_fn(out, self.ys[k]) * (len(self.ys[k]) / self.batch)
+                self.losses.append(out)
+        self.stash[(s, k)] = (x, out)
+        self.held[s] += 1
+        self.peak = max(self.peak, self.held[s])
+        if s < self.p - 1:
+            self.ready[("act", s + 1, k)] = (out, _mark(stream))
+
+    def _backward(self, s: int, k: int, span) -> None:
+        x, out = self.stash.pop((s, k))
+        self.held[s] -= 1
+        if s == self.p - 1:
+            with span:
+                out.backward()
+        else:
+            grad = self._arrived(("grad", s, k), self.streams[s])
+            with span:
+                out.backward(grad)
+        if s > 0:
+            self.ready[("grad", s - 1, k)] = (x.grad, _mark(self.streams[s]))
+
+    def result(self) -> StepResult:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        total = sum(loss.item() for loss in self.losses)
+        return StepResult(self.p - 1, total, self.issued, peak_activations=self.peak,
+                          micro_sizes=[len(x) for x in self.xs])  # fmt: skip
 
 
 def _mark(stream):

@@ -37,55 +37,76 @@ def fsdp_step(units, N: int, alpha: float, beta: float, prefetch: str = "none",
     ag = [per_op + ring_all_gather(b, N, alpha, beta) for _, _, b in units]
     per_op_rs = per_op if per_op_rs is None else per_op_rs
     rs = [per_op_rs + ring_reduce_scatter(b, N, alpha, beta) for _, _, b in units]
-    free = {"ag": 0.0, "rs": 0.0}
-    spans, held = [], []  # held: (from, to, bytes) of whole units
-    gathered: dict[int, float] = {}  # unit -> when its AllGather ends
-    issued_at: dict[int, float] = {}
-
-    def issue(k: int, at: float, phase: str) -> None:
-        if k in gathered:
-            return
-        lane = "ag" if not shared_link else "link"
-        start = max(at, free.get(lane, 0.0))
-        free[lane] = start + ag[k]
-        gathered[k], issued_at[k] = start + ag[k], at
-        spans.append(("comm", f"AG {k}{phase}", start, start + ag[k]))
-
-    def release(k: int, at: float) -> None:
-        held.append((issued_at.pop(k), at, units[k][2]))
-        del gathered[k]
-
+    link = _Links(units, ag, shared_link)
     clock, forward_wait = 0.0, 0.0
     for k in range(n):
-        issue(k, clock, "")
+        link.issue(k, clock, "")
         if prefetch == "explicit":
             for j in range(k + 1, min(n, k + 1 + prefetch_depth)):
-                issue(j, clock, "")
-        forward_wait += max(0.0, gathered[k] - clock)
-        clock = max(clock, gathered[k])
-        spans.append(("compute", f"F {k}", clock, clock + units[k][0]))
+                link.issue(j, clock, "")
+        forward_wait += max(0.0, link.gathered[k] - clock)
+        clock = max(clock, link.gathered[k])
+        link.spans.append(("compute", f"F {k}", clock, clock + units[k][0]))
         clock += units[k][0]
         if reshard_after_forward:
-            release(k, clock)
+            link.release(k, clock)
     last_rs = 0.0
     for k in reversed(range(n)):
-        issue(k, clock, " (again)")
+        link.issue(k, clock, " (again)")
         if backward_prefetch and reshard_after_forward:
             depth = prefetch_depth if prefetch == "explicit" else 1
             for j in range(k - 1, max(-1, k - 1 - depth), -1):
-                issue(j, clock, " (again)")
-        clock = max(clock, gathered[k])
-        spans.append(("compute", f"B {k}", clock, clock + units[k][1]))
+                link.issue(j, clock, " (again)")
+        clock = max(clock, link.gathered[k])
+        link.spans.append(("compute", f"B {k}", clock, clock + units[k][1]))
         clock += units[k][1]
-        release(k, clock)
-        lane = "rs" if not shared_link else "link"
-        start = max(clock, free.get(lane, 0.0))
-        free[lane] = last_rs = start + rs[k]
-        spans.append(("comm", f"RS {k}", start, last_rs))
+        link.release(k, clock)
+        last_rs = link.reduce_scatter(k, clock, rs[k])
     step = max(clock, last_rs)
-    compute = sum(f + b for f, b, _ in units)
     comm = sum(ag) * (2 if reshard_after_forward else 1) + sum(rs)
+    return _summary(step, sum(f + b for f, b, _ in units), comm, forward_wait, link)
+
+
+class _Links:
+    """The AllGathers and ReduceScatters of a simulated step: each queues on its link (one
+    for both with ``shared``) in the order issued, and each unit is held whole from its
+    AllGather's issue until it is freed."""
+
+    def __init__(self, units, ag: list[float], shared: bool):
+        self.units, self.ag, self.shared = units, ag, shared
+        self.free = {"ag": 0.0, "rs": 0.0}
+        self.spans, self.held = [], []  # held: (from, to, bytes) of whole units
+        self.gathered: dict[int, float] = {}  # unit -> when its AllGather ends
+        self.issued_at: dict[int, float] = {}
+
+    def _start(self, lane: str, at: float, seconds: float) -> float:
+        lane = lane if not self.shared else "link"
+        start = max(at, self.free.get(lane, 0.0))
+        self.free[lane] = start + seconds
+        return start
+
+    def issue(self, k: int, at: float, phase: str) -> None:
+        if k in self.gathered:
+            return
+        start = self._start("ag", at, self.ag[k])
+        self.gathered[k], self.issued_at[k] = start + self.ag[k], at
+        self.spans.append(("comm", f"AG {k}{phase}", start, start + self.ag[k]))
+
+    def release(self, k: int, at: float) -> None:
+        self.held.append((self.issued_at.pop(k), at, self.units[k][2]))
+        del self.gathered[k]
+
+    def reduce_scatter(self, k: int, at: float, seconds: float) -> float:
+        """Unit k's ReduceScatter issued at ``at``: when it ends."""
+        start = self._start("rs", at, seconds)
+        self.spans.append(("comm", f"RS {k}", start, start + seconds))
+        return start + seconds
+
+
+def _summary(step: float, compute: float, comm: float, forward_wait: float,
+             link: _Links) -> dict:  # fmt: skip
     exposed = step - compute
+    held = link.held
     moments = sorted({t for a, b, _ in held for t in (a, b)})
     peak = max((sum(nb for a, b, nb in held if a <= t < b) for t in moments), default=0)
     return {
@@ -96,5 +117,5 @@ def fsdp_step(units, N: int, alpha: float, beta: float, prefetch: str = "none",
         "hidden_fraction": 1 - exposed / comm if comm else 1.0,
         "forward_wait": forward_wait,
         "peak_gathered": peak,
-        "spans": spans,
+        "spans": link.spans,
     }

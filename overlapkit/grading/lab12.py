@@ -37,6 +37,7 @@ import torch
 
 from ..fsdp import FullyShardedDP, PlanError
 from ..launcher import launch
+from ..plans import FSDP, Finish, PlanSyntaxError, Problem, UnitAction
 from ..sandbox import answers
 from ..sandbox.sealed import seal
 from .common import Unfinished, call_or_report, judge_against_one_process
@@ -45,7 +46,6 @@ from .report import Report
 CASES = [(4, 0), (4, 1), (5, 2), (1, 0), (2, 3)]
 #: two more are drawn each time from these: 228 plans of up to 400 actions to tabulate
 DRAWN = [(n, p) for n in range(3, 41) for p in range(1, 7) if (n, p) not in CASES]
-_OPS = ("gather", "wait", "forward", "backward", "free", "reduce")
 
 
 def check_fsdp_plan(fsdp_plan) -> Report:
@@ -84,6 +84,8 @@ def check_fsdp_plan(fsdp_plan) -> Report:
                 runnable = plan
         else:
             report.fail(f"{what}: {problem}")
+            if problem.at is not None:  # the plan, the broken action in brackets
+                report._print(f"    {FSDP.mark(plan, problem.at)}")
     if runnable is not None:
         _run_on_ranks(report, runnable)
     elif any(n is not None for _, n, _, _ in plans):
@@ -94,119 +96,38 @@ def check_fsdp_plan(fsdp_plan) -> Report:
 
 def judge_plan(plan, n: int, p: int) -> str | None:
     """The first broken rule of ``plan`` for ``n`` units and prefetch ``p``, in words, or
-    None when it keeps them all."""
+    None when it keeps them all: a :class:`~overlapkit.plans.Problem`, whose ``at`` is the
+    index of the action that broke it."""
     if not isinstance(plan, (list, tuple)):
-        return f"return a list of actions (strings such as 'gather 0'), not {type(plan).__name__}"
-    state = ["sharded"] * n  # sharded | arriving | whole
-    gathered_at: dict[int, int] = {}  # unit -> position of its last gather
-    used = [True] * n  # used since its last gather
-    freed_at: dict[int, int] = {}
-    forwards, backwards, reduced = [], [], []
-    started: dict[tuple[str, int], int] = {}  # (forward|backward, unit) -> position
-    gathers: dict[tuple[str, int], int] = {}  # (forward|backward phase, unit) -> position
-    finished = None
-    waited: dict[int, int] = {}  # unit -> position of its wait, until it computes
-    last_gather: dict[str, int] = {}  # phase -> the unit gathered last
-    unreduced = None  # (unit, position of its backward) not yet reduced
+        return Problem(
+            f"return a list of actions (strings such as 'gather 0'), not {type(plan).__name__}"
+        )
+    play = _Play(n, p)
     for i, action in enumerate(plan, start=1):
         where = f"action {i} {action!r}"
-        parsed = _parse(action, n)
-        if isinstance(parsed, str):
-            return f"{where}: {parsed}"
-        op, k = parsed
-        if finished is not None:
-            return f"{where} comes after 'finish' (action {finished}): 'finish' ends the step"
-        phase = "backward" if forwards == list(range(n)) and op != "forward" else "forward"
-        if op == "gather":
-            if state[k] != "sharded":
-                return (f"{where}: unit {k} is already {state[k]} (gathered at action "
-                        f"{gathered_at[k]}): a second AllGather moves its bytes twice")  # fmt: skip
-            previous = last_gather.get(phase)
-            later = previous is not None and (k < previous if phase == "forward" else k > previous)
-            if later:  # the link carries AllGathers in the order they were issued
-                need = "forward runs 0 up" if phase == "forward" else "backward runs down"
-                return (f"{where} comes after 'gather {previous}', but unit {k} is needed "
-                        f"first ({need}): one link carries the AllGathers in the order they "
-                        f"were issued, so unit {k}'s would wait behind unit {previous}'s. "
-                        "Gather in the order the units compute")  # fmt: skip
-            last_gather[phase] = k
-            state[k], gathered_at[k], used[k] = "arriving", i, False
-            gathers.setdefault((phase, k), i)
-        elif op == "wait":
-            if state[k] == "sharded":
-                return (f"{where}: unit {k}'s AllGather was never issued"
-                        f"{_since_free(freed_at, k)}: add 'gather {k}' before it")  # fmt: skip
-            if state[k] == "whole":
-                return f"{where}: unit {k} was already waited for; wait once per gather"
-            state[k] = "whole"
-            waited[k] = i
-        elif op in ("forward", "backward"):
-            problem = _compute(op, k, n, i, state, gathered_at, freed_at, forwards, backwards)
-            if problem:
-                return f"{where}: {problem}"
-            early = next((u for u, at in waited.items() if u != k), None)
-            if early is not None:  # waited for, then another unit computed first
-                return (f"{where}: unit {early} was waited for at action {waited[early]}, "
-                        f"before unit {k} computes: the wait blocks until unit {early}'s "
-                        f"AllGather is over, so nothing travels under {op} {k}. Wait for a "
-                        "unit right before it computes")  # fmt: skip
-            waited.pop(k, None)
-            if op == "backward" and unreduced is not None:
-                return (f"{where} starts before unit {unreduced[0]}'s gradient was reduced "
-                        f"(backward {unreduced[0]} at action {unreduced[1]}): reduce each "
-                        "unit right after its backward, so that its ReduceScatter travels "
-                        "while the next backward computes")  # fmt: skip
-            if op == "backward":
-                unreduced = (k, i)
-            (forwards if op == "forward" else backwards).append(k)
-            started[(op, k)] = i
-            used[k] = True
-        elif op == "free":
-            if state[k] == "sharded":
-                return (f"{where}: unit {k} is not whole{_since_free(freed_at, k)}; free a unit "
-                        "once, after it computes")  # fmt: skip
-            if state[k] == "arriving":
-                return (f"{where}: unit {k}'s AllGather (action {gathered_at[k]}) was never "
-                        "waited: a unit may be freed only once its bytes have arrived")  # fmt: skip
-            if not used[k]:
-                return (f"{where}: unit {k} was gathered (action {gathered_at[k]}) and freed "
-                        "without computing: was that the unit you meant to gather?")  # fmt: skip
-            state[k], freed_at[k] = "sharded", i  # before or after its reduce: both right
-        elif op == "reduce":
-            if k not in backwards:
-                return (f"{where} before backward {k}: unit {k}'s gradient is not complete yet; "
-                        "reduce each unit right after its backward")  # fmt: skip
-            if k in reduced:
-                return f"{where}: unit {k} was already reduced; each unit is reduced once"
-            reduced.append(k)
-            unreduced = None
-        else:  # finish
-            missing = [k for k in range(n) if k not in reduced]
-            if missing:
-                return (f"{where}: 'finish' waits for the ReduceScatters, but unit(s) "
-                        f"{_units(missing)} were never reduced: the optimizer would step on "
-                        "shards without their gradient")  # fmt: skip
-            finished = i
-        held = [u for u in range(n) if state[u] != "sharded"]
-        if len(held) > p + 1:
-            return (f"{where}: units {_units(held)} are whole or arriving at once; prefetch "
-                    f"{p} allows {p + 1} (the unit computing and {p} ahead): free each unit "
-                    "after it computes, and gather no further ahead")  # fmt: skip
-    return _at_the_end(n, p, state, gathered_at, forwards, backwards, finished, started, gathers)
+        step = _read(action, n)
+        if isinstance(step, str):
+            return Problem(f"{where}: {step}", i - 1)
+        if play.finished is not None:
+            return Problem(f"{where} comes after 'finish' (action {play.finished}): 'finish' "
+                           "ends the step", i - 1)  # fmt: skip
+        problem = play.do(step, i, where)
+        if problem is not None:
+            return Problem(problem, i - 1)
+    return play.at_the_end(len(plan))
 
 
-def _parse(action, n: int):
-    words = action.split() if isinstance(action, str) else None
-    if words == ["finish"]:
-        return "finish", None
-    number = words[1].removeprefix("-") if words and len(words) == 2 else ""
-    if not words or len(words) != 2 or words[0] not in _OPS or not number.isdigit():
-        return ("expected 'gather K', 'wait K', 'forward K', 'backward K', 'free K', "
-                "'reduce K' or 'finish' (strings, one action each)")  # fmt: skip
-    k = int(words[1])
-    if not 0 <= k < n:
+def _read(action, n: int):
+    """The step ``action`` is (:data:`overlapkit.plans.FSDP`'s words), or why it is none."""
+    try:
+        step = FSDP.parse_step(action) if isinstance(action, str) else None
+    except PlanSyntaxError:
+        step = None
+    if step is None:
+        return f"expected {FSDP.expected()} (strings, one action each)"
+    if isinstance(step, UnitAction) and not 0 <= step.unit < n:
         return f"there {'is 1 unit' if n == 1 else f'are {n} units'}, 0 to {n - 1}"
-    return words[0], k
+    return step
 
 
 def _since_free(freed_at: dict, k: int) -> str:
@@ -217,14 +138,104 @@ def _units(units) -> str:
     return ", ".join(map(str, units))
 
 
-def _compute(op, k, n, i, state, gathered_at, freed_at, forwards, backwards) -> str | None:
-    if op == "forward":
-        want = len(forwards)
-        if want == n:
-            return f"every unit already ran its forward; unit {k}'s backward comes next"
-        if k != want:
-            return f"the units run in order, 0 to {n - 1}: forward {want} comes next"
-    else:
+class _Play:
+    """A plan played action by action (positions are 1-based): each unit sharded, arriving
+    (gathered, not waited) or whole, and what ran where. Each action's method returns the
+    rule it breaks, in words, or None once the play has moved on."""
+
+    def __init__(self, n: int, p: int):
+        self.n, self.p = n, p
+        self.state = ["sharded"] * n  # sharded | arriving | whole
+        self.gathered_at: dict[int, int] = {}  # unit -> position of its last gather
+        self.used = [True] * n  # used since its last gather
+        self.freed_at: dict[int, int] = {}
+        self.forwards, self.backwards, self.reduced = [], [], []
+        self.started: dict[tuple[str, int], int] = {}  # (forward|backward, unit) -> position
+        self.gathers: dict[tuple[str, int], int] = {}  # (forward|backward phase, unit) -> position
+        self.finished = None
+        self.waited: dict[int, int] = {}  # unit -> position of its wait, until it computes
+        self.last_gather: dict[str, int] = {}  # phase -> the unit gathered last
+        self.unreduced = None  # (unit, position of its backward) not yet reduced
+
+    def do(self, step, i: int, where: str) -> str | None:
+        if isinstance(step, Finish):
+            problem = self.finish(i, where)
+        elif step.op in ("forward", "backward"):
+            problem = self.compute(step.op, step.unit, i, where)
+        else:
+            problem = getattr(self, step.op)(step.unit, i, where)
+        if problem is not None:
+            return problem
+        held = [u for u in range(self.n) if self.state[u] != "sharded"]
+        if len(held) > self.p + 1:
+            p = self.p
+            return (f"{where}: units {_units(held)} are whole or arriving at once; prefetch "
+                    f"{p} allows {p + 1} (the unit computing and {p} ahead): free each unit "
+                    "after it computes, and gather no further ahead")  # fmt: skip
+        return None
+
+    def gather(self, k: int, i: int, where: str) -> str | None:
+        state, at = self.state, self.gathered_at.get(k)
+        if state[k] != "sharded":
+            return (f"{where}: unit {k} is already {state[k]} (gathered at action {at}): a "
+                    "second AllGather moves its bytes twice")  # fmt: skip
+        phase = "backward" if self.forwards == list(range(self.n)) else "forward"
+        previous = self.last_gather.get(phase)
+        later = previous is not None and (k < previous if phase == "forward" else k > previous)
+        if later:  # the link carries AllGathers in the order they were issued
+            need = "forward runs 0 up" if phase == "forward" else "backward runs down"
+            return (f"{where} comes after 'gather {previous}', but unit {k} is needed "
+                    f"first ({need}): one link carries the AllGathers in the order they "
+                    f"were issued, so unit {k}'s would wait behind unit {previous}'s. "
+                    "Gather in the order the units compute")  # fmt: skip
+        self.last_gather[phase] = k
+        state[k], self.gathered_at[k], self.used[k] = "arriving", i, False
+        self.gathers.setdefault((phase, k), i)
+        return None
+
+    def wait(self, k: int, i: int, where: str) -> str | None:
+        if self.state[k] == "sharded":
+            return (f"{where}: unit {k}'s AllGather was never issued"
+                    f"{_since_free(self.freed_at, k)}: add 'gather {k}' before it")  # fmt: skip
+        if self.state[k] == "whole":
+            return f"{where}: unit {k} was already waited for; wait once per gather"
+        self.state[k] = "whole"
+        self.waited[k] = i
+        return None
+
+    def compute(self, op: str, k: int, i: int, where: str) -> str | None:
+        problem = self._in_order(op, k) or self._whole(op, k)
+        if problem:
+            return f"{where}: {problem}"
+        early = next((u for u, at in self.waited.items() if u != k), None)
+        if early is not None:  # waited for, then another unit computed first
+            return (f"{where}: unit {early} was waited for at action {self.waited[early]}, "
+                    f"before unit {k} computes: the wait blocks until unit {early}'s "
+                    f"AllGather is over, so nothing travels under {op} {k}. Wait for a "
+                    "unit right before it computes")  # fmt: skip
+        self.waited.pop(k, None)
+        if op == "backward" and self.unreduced is not None:
+            u, at = self.unreduced
+            return (f"{where} starts before unit {u}'s gradient was reduced "
+                    f"(backward {u} at action {at}): reduce each "
+                    "unit right after its backward, so that its ReduceScatter travels "
+                    "while the next backward computes")  # fmt: skip
+        if op == "backward":
+            self.unreduced = (k, i)
+        (self.forwards if op == "forward" else self.backwards).append(k)
+        self.started[(op, k)] = i
+        self.used[k] = True
+        return None
+
+    def _in_order(self, op: str, k: int) -> str | None:
+        n, forwards, backwards = self.n, self.forwards, self.backwards
+        if op == "forward":
+            want = len(forwards)
+            if want == n:
+                return f"every unit already ran its forward; unit {k}'s backward comes next"
+            if k != want:
+                return f"the units run in order, 0 to {n - 1}: forward {want} comes next"
+            return None
         if len(forwards) < n:
             return (f"backward starts after the last forward; forward {len(forwards)} has not "
                     "run yet")  # fmt: skip
@@ -233,49 +244,94 @@ def _compute(op, k, n, i, state, gathered_at, freed_at, forwards, backwards) -> 
             return f"every unit already ran its backward; unit {k} backward twice"
         if k != want:
             return f"backward runs from the last unit to the first: backward {want} comes next"
-    if state[k] == "arriving":
-        return (f"unit {k}'s parameters are used before its AllGather (action {gathered_at[k]}) "
-                f"was waited: its bytes may still be arriving; add 'wait {k}' first")  # fmt: skip
-    if state[k] == "sharded":
-        if op == "backward" and k in freed_at:
-            return (f"unit {k} was freed at action {freed_at[k]} after its forward, and "
-                    f"backward needs its parameters again: gather and wait it before "
-                    f"backward {k}")  # fmt: skip
-        return (f"unit {k} is not whole{_since_free(freed_at, k)}: gather it and wait for it "
-                "first")  # fmt: skip
-    return None
+        return None
 
+    def _whole(self, op: str, k: int) -> str | None:
+        if self.state[k] == "arriving":
+            return (f"unit {k}'s parameters are used before its AllGather (action "
+                    f"{self.gathered_at[k]}) was waited: its bytes may still be arriving; add "
+                    f"'wait {k}' first")  # fmt: skip
+        if self.state[k] == "sharded":
+            if op == "backward" and k in self.freed_at:
+                return (f"unit {k} was freed at action {self.freed_at[k]} after its forward, and "
+                        f"backward needs its parameters again: gather and wait it before "
+                        f"backward {k}")  # fmt: skip
+            return (f"unit {k} is not whole{_since_free(self.freed_at, k)}: gather it and wait "
+                    "for it first")  # fmt: skip
+        return None
 
-def _at_the_end(n, p, state, gathered_at, forwards, backwards, finished, started, gathers):
-    if len(forwards) < n:
-        return f"forward {len(forwards)} never runs: every unit runs its forward, 0 to {n - 1}"
-    if len(backwards) < n:
-        return f"backward {n - 1 - len(backwards)} never runs: every unit runs its backward"
-    if finished is None:
-        return ("the plan ends without 'finish': the optimizer would step on shards whose "
-                "ReduceScatter may still be running")  # fmt: skip
-    whole = [k for k in range(n) if state[k] != "sharded"]
-    if whole:
-        return (f"unit(s) {_units(whole)} still whole at the end of the step (gathered at "
-                f"action {gathered_at[whole[0]]}): free each unit after its backward")  # fmt: skip
-    if p >= 1:
+    def free(self, k: int, i: int, where: str) -> str | None:
+        if self.state[k] == "sharded":
+            return (f"{where}: unit {k} is not whole{_since_free(self.freed_at, k)}; free a unit "
+                    "once, after it computes")  # fmt: skip
+        if self.state[k] == "arriving":
+            return (f"{where}: unit {k}'s AllGather (action {self.gathered_at[k]}) was never "
+                    "waited: a unit may be freed only once its bytes have arrived")  # fmt: skip
+        if not self.used[k]:
+            return (f"{where}: unit {k} was gathered (action {self.gathered_at[k]}) and freed "
+                    "without computing: was that the unit you meant to gather?")  # fmt: skip
+        self.state[k], self.freed_at[k] = "sharded", i  # before or after its reduce: both right
+        return None
+
+    def reduce(self, k: int, i: int, where: str) -> str | None:
+        if k not in self.backwards:
+            return (f"{where} before backward {k}: unit {k}'s gradient is not complete yet; "
+                    "reduce each unit right after its backward")  # fmt: skip
+        if k in self.reduced:
+            return f"{where}: unit {k} was already reduced; each unit is reduced once"
+        self.reduced.append(k)
+        self.unreduced = None
+        return None
+
+    def finish(self, i: int, where: str) -> str | None:
+        missing = [k for k in range(self.n) if k not in self.reduced]
+        if missing:
+            return (f"{where}: 'finish' waits for the ReduceScatters, but unit(s) "
+                    f"{_units(missing)} were never reduced: the optimizer would step on "
+                    "shards without their gradient")  # fmt: skip
+        self.finished = i
+        return None
+
+    def at_the_end(self, end: int) -> Problem | None:
+        """The rule a plan broke that no one action did (``end``: the plan's length)."""
+        n, forwards, backwards = self.n, self.forwards, self.backwards
+        if len(forwards) < n:
+            return Problem(f"forward {len(forwards)} never runs: every unit runs its forward, "
+                           f"0 to {n - 1}", end)  # fmt: skip
+        if len(backwards) < n:
+            return Problem(f"backward {n - 1 - len(backwards)} never runs: every unit runs its "
+                           "backward", end)  # fmt: skip
+        if self.finished is None:
+            return Problem("the plan ends without 'finish': the optimizer would step on shards "
+                           "whose ReduceScatter may still be running", end)  # fmt: skip
+        whole = [k for k in range(n) if self.state[k] != "sharded"]
+        if whole:
+            return Problem(f"unit(s) {_units(whole)} still whole at the end of the step "
+                           f"(gathered at action {self.gathered_at[whole[0]]}): free each unit "
+                           "after its backward", end)  # fmt: skip
+        return self._prefetched() if self.p >= 1 else None
+
+    def _prefetched(self) -> Problem | None:
+        """Each AllGather issued early enough to travel under the compute before it."""
+        n, p, started, gathers = self.n, self.p, self.started, self.gathers
         for k in range(n):  # forward: gathered before forward k−p starts
             before = max(0, k - p)
-            if ("forward", k) in gathers and gathers[("forward", k)] > started[("forward", before)]:
-                return (f"prefetch {p}: unit {k}'s AllGather should be issued before forward "
-                        f"{before} starts (action {started[('forward', before)]}), so that it "
-                        f"travels while unit {before} computes; yours is action "
-                        f"{gathers[('forward', k)]}")  # fmt: skip
+            spot = gathers.get(("forward", k))
+            if spot is not None and spot > started[("forward", before)]:
+                return Problem(f"prefetch {p}: unit {k}'s AllGather should be issued before "
+                               f"forward {before} starts (action {started[('forward', before)]}), "
+                               f"so that it travels while unit {before} computes; yours is "
+                               f"action {spot}", spot - 1)  # fmt: skip
         for k in reversed(range(n)):  # backward (the first offence first): re-gathered
             # before backward k+p starts
             before = min(n - 1, k + p)
             spot = gathers.get(("backward", k))
             if spot is not None and spot > started[("backward", before)]:
-                return (f"prefetch {p}: in backward, unit {k}'s AllGather should be issued "
-                        f"before backward {before} starts (action "
-                        f"{started[('backward', before)]}), so that it travels meanwhile; "
-                        f"yours is action {spot}")  # fmt: skip
-    return None
+                return Problem(f"prefetch {p}: in backward, unit {k}'s AllGather should be "
+                               f"issued before backward {before} starts (action "
+                               f"{started[('backward', before)]}), so that it travels "
+                               f"meanwhile; yours is action {spot}", spot - 1)  # fmt: skip
+        return None
 
 
 # --------------------------------------------------------------------------- running it

@@ -30,11 +30,13 @@ from __future__ import annotations
 import functools
 import io
 import random
+from dataclasses import replace
 
 import torch
 
 from ..launcher import LaunchError, launch
 from ..pipeline import make_schedule
+from ..plans import HYBRID, Action, Flush, PlanSyntaxError, Problem, Reduce
 from ..sandbox import answers
 from ..sandbox.sealed import seal
 from .common import Unfinished, call_or_report, judge_against_one_process
@@ -165,7 +167,8 @@ def judge_groups(value, dp: int, pp: int) -> str | None:
 
 
 def stage_actions(stages: int, micro: int, schedule: str, stage: int) -> list[str]:
-    return [f"{a.op} {a.micro}" for a in make_schedule(schedule, stages, micro)[stage]]
+    """One stage's pipeline actions as a hybrid plan writes them ("F 0", "B 0", …)."""
+    return HYBRID.texts(make_schedule(schedule, stages, micro)[stage])
 
 
 def check_hybrid_plan(hybrid_plan, timeout: float = 30.0) -> Report:
@@ -226,6 +229,8 @@ def check_hybrid_plan(hybrid_plan, timeout: float = 30.0) -> Report:
             cases_ok.setdefault(case, True)
         else:
             report.fail(f"{what}: {problem}")
+            if getattr(problem, "at", None) is not None:  # the plan, that action in brackets
+                report._print(f"    {HYBRID.mark(plan, problem.at)}")
             cases_ok[case] = False
     for (drawn, stages, rest), fine in cases_ok.items():
         if fine:  # a drawn case passes in the same words each time
@@ -242,7 +247,8 @@ def check_hybrid_plan(hybrid_plan, timeout: float = 30.0) -> Report:
 
 def judge_plan(plan, actions: list[str], stage: int, buckets: int) -> str | None:
     """The first broken rule of ``plan`` for a stage with these pipeline ``actions`` and
-    ``buckets``, in words, or None."""
+    ``buckets``, in words, or None: a :class:`~overlapkit.plans.Problem`, whose ``at`` is
+    the index of the action that broke it (None where no one action did)."""
     from ..hybrid import PlanError, parse_plan  # noqa: PLC0415
 
     early = _reduced_early(plan, actions)
@@ -251,48 +257,62 @@ def judge_plan(plan, actions: list[str], stage: int, buckets: int) -> str | None
     try:
         steps, after = parse_plan(plan, actions, buckets)
     except PlanError as exc:
-        return str(exc)
+        return Problem(str(exc), exc.at)
     last = max(i for i, (text, _) in enumerate(steps) if text.startswith("B"))
     events = after[last]
+    written = HYBRID.parse(plan)  # it parsed: every step is in HYBRID's words
+    at = max(i for i, s in enumerate(written) if isinstance(s, Action) and s.op == "B")
     flush = next((i for i, e in enumerate(events) if e[0] == "flush"), None)
     if flush is not None and any(e[0] == "reduce" for e in events[flush:]):
-        return ("'flush' waits for the whole pipeline before reducing: the AllReduce then "
-                "hides under nothing (that is the baseline section 3 measures)")  # fmt: skip
+        return Problem("'flush' waits for the whole pipeline before reducing: the AllReduce "
+                       "then hides under nothing (that is the baseline section 3 measures)",
+                       written.index(Flush(), at))  # fmt: skip
     text, ready = steps[last]
     if stage == 0 and buckets and not ready:
-        return (f"stage 0's last backward ({text!r}) is the pipeline's last action: after it "
-                "nothing computes, so reductions launched after it are all exposed. Launch "
-                f"each bucket as it fills: '{text} ready'")  # fmt: skip
+        return Problem(f"stage 0's last backward ({text!r}) is the pipeline's last action: "
+                       "after it nothing computes, so reductions launched after it are all "
+                       f"exposed. Launch each bucket as it fills: '{text} ready'", at)  # fmt: skip
     if stage > 0 and ready:
-        return (f"'{text} ready' launches buckets during the backward, ahead of the gradient "
-                f"that backward sends to stage {stage - 1}, which waits for it (one link "
-                "carries both groups' bytes). Reduce right after it: 'reduce b' lines "
-                f"after {text!r}")  # fmt: skip
+        return Problem(f"'{text} ready' launches buckets during the backward, ahead of the "
+                       f"gradient that backward sends to stage {stage - 1}, which waits for it "
+                       "(one link carries both groups' bytes). Reduce right after it: 'reduce "
+                       f"b' lines after {text!r}", at)  # fmt: skip
     return None
 
 
-def _reduced_early(plan, actions: list[str]) -> str | None:
+def _reduced_early(plan, actions: list[str]) -> Problem | None:
     """A reduction (or "ready") before the stage's last backward, named first: a plan that
     reduces after every backward also reduces some bucket twice, but the early one is the
     mistake to fix."""
     if not isinstance(plan, (list, tuple)) or not all(isinstance(a, str) for a in plan):
         return None
-    last = actions[max(i for i, a in enumerate(actions) if a.startswith("B"))]
-    where = next((i for i, a in enumerate(plan) if a in (last, f"{last} ready")), len(plan))
+    last = [a for a in HYBRID.parse(actions) if a.op == "B"][-1]
+    written = [_step_or_none(a) for a in plan]
+    where = next((i for i, s in enumerate(written) if _unready(s) == last), len(plan))
     done = None  # the last backward before the reduction
-    for i, a in enumerate(plan[:where]):
-        if a.split()[:1] == ["B"]:
-            done = a.removesuffix(" ready")
-        still = (f", but {last!r} (micro-batch {last.split()[1]}) still adds its gradient "
-                 "later: a bucket sent before the stage's last backward misses what "
+    for i, (a, step) in enumerate(zip(plan[:where], written, strict=False)):
+        if isinstance(step, Action) and step.op == "B":
+            done = HYBRID.show_step(_unready(step))
+        still = (f", but {HYBRID.show_step(last)!r} (micro-batch {last.micro}) still adds its "
+                 "gradient later: a bucket sent before the stage's last backward misses what "
                  "follows")  # fmt: skip
-        words = a.split()
-        if len(words) == 3 and words[0] == "B" and words[2] == "ready":
-            return f"plan[{i}] {a!r} launches every bucket as it fills{still}"
-        if len(words) == 2 and words[0] == "reduce":
+        if isinstance(step, Action) and step.op == "B" and step.ready:
+            return Problem(f"plan[{i}] {a!r} launches every bucket as it fills{still}", i)
+        if isinstance(step, Reduce):
             when = f"after {done!r}" if done else "before any backward"
-            return f"plan[{i}] {a!r} reduces {when}{still}"
+            return Problem(f"plan[{i}] {a!r} reduces {when}{still}", i)
     return None
+
+
+def _step_or_none(text: str):
+    try:
+        return HYBRID.parse_step(text)
+    except PlanSyntaxError:
+        return None
+
+
+def _unready(step):
+    return replace(step, ready=False) if isinstance(step, Action) else step
 
 
 def _model() -> torch.nn.Sequential:

@@ -11,6 +11,7 @@ import torch
 
 from .. import handles
 from ..pipeline import make_schedule
+from ..plans import PIPELINE, PlanSyntaxError
 from ..sandbox import answers
 from ..sandbox.sealed import seal
 from .collectives import CHECK_LINK
@@ -64,7 +65,8 @@ def _plans(quiet: Report, one_f_one_b) -> list:
 
 
 def _judge_schedule(report: Report, p: int, m: int, what: str, plan) -> None:
-    want = [[str(a) for a in stage] for stage in make_schedule("1f1b", p, m)]
+    # compared as written: the exercise asks for exactly these strings ("F0", not "F 0")
+    want = [PIPELINE.texts(stage) for stage in make_schedule("1f1b", p, m)]
     got = _as_strings(plan)
     if got is None:
         report.fail(f"{what}: return one list of actions per stage, e.g. [['F0', 'B0'], …]")
@@ -90,17 +92,31 @@ def _judge_schedule(report: Report, p: int, m: int, what: str, plan) -> None:
         f"at position {i}: {_at(g, i)} where {_at(w, i)} belongs)."
         + _schedule_hint(g, w, bad, p, m)
     )
+    report._print(f"    stage {bad}: {PIPELINE.mark(g, i)}")  # that position in brackets
 
 
 def _at(actions, i) -> str:
     return actions[i] if i < len(actions) else "nothing"
 
 
+def _read(text: str):
+    """The action ``text`` is ("F0", "B3"), or None."""
+    try:
+        return PIPELINE.parse_step(text)
+    except PlanSyntaxError:
+        return None
+
+
+def _first_backward(actions) -> int:
+    return next((i for i, a in enumerate(actions) if getattr(_read(a), "op", "") == "B"),
+                len(actions))  # fmt: skip
+
+
 def _schedule_hint(got, want, s, p, m) -> str:
     if sorted(got) != sorted(want):
         missing = sorted(set(want) - set(got))
         extra = sorted(set(got) - set(want))
-        beyond = [a for a in extra if a[1:].isdigit() and int(a[1:]) >= m]
+        beyond = [a for a in extra if getattr(_read(a), "micro", -1) >= m]
         return (
             " Every stage runs F and B of each micro-batch exactly once"
             + (f"; missing {missing}" if missing else "")
@@ -113,8 +129,7 @@ def _schedule_hint(got, want, s, p, m) -> str:
             )
             + "."
         )
-    ran = next((i for i, a in enumerate(got) if a.startswith("B")), len(got))
-    right = next((i for i, a in enumerate(want) if a.startswith("B")), len(want))
+    ran, right = _first_backward(got), _first_backward(want)
     after = p - s - 1
     if ran != right and after == 0:
         return (
