@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 import overlapkit as ok
+from overlapkit.grading.exercises import ANSWERS, answers_of
 from overlapkit.sandbox import answers, nofiles
 
 from .conftest import failed_with as _failed_with
@@ -229,9 +230,9 @@ def test_the_kits_bucket_assignment_fails_lab07(fn):
 
 
 def test_each_checks_answers_name_real_code_and_a_learner_cannot_stop_the_watch():
-    for check, names in answers.ANSWERS.items():
+    for check, names in ANSWERS.items():
         assert answers.code_objects(names), check
-    with answers.running(answers.of("check_fit_alpha_beta")) as ran:
+    with answers.running(answers_of("check_fit_alpha_beta")) as ran:
         import sys
 
         sys.setprofile(None)  # what a student who read this module might try
@@ -1391,13 +1392,13 @@ def test_a_thread_started_under_the_watch_is_no_tampering_and_stays_watched():
 
     from overlapkit.sandbox import answers
 
-    with answers.running(answers.of("check_bytes_moved")) as ran:
+    with answers.running(answers_of("check_bytes_moved")) as ran:
         t = threading.Thread(target=lambda: None)
         t.start()
         t.join()
     assert ran == []
     hook = threading._profile_hook
-    with answers.running(answers.of("check_bytes_moved")) as ran:
+    with answers.running(answers_of("check_bytes_moved")) as ran:
         threading._profile_hook = None
         try:
             t = threading.Thread(target=ok.costmodel.bytes_moved_per_rank,

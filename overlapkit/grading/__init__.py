@@ -8,6 +8,7 @@ Use in a notebook right after an exercise::
 from .. import launcher
 from .collectives import check_all_gather, check_all_reduce, check_reduce_scatter
 from .ddp import check_assign_buckets, check_bucketed_ddp, check_hook_ddp
+from .exercises import POINTS, WITNESSED
 from .lab00 import check_fit_alpha_beta, check_ping_pong
 from .lab01 import check_bytes_moved
 from .lab04 import check_memory_per_rank, check_zero1_step
@@ -24,40 +25,9 @@ from .report import Report
 # every rank forked from now on has what the checks' watch works out at import
 launcher.preload("overlapkit.sandbox.preload")
 
-#: the checks that ask what the notebook measured, and the module whose ``MEASURES`` the
-#: grader's witness takes those measurements with (``overlapkit.sandbox.witness``)
-WITNESSED = {"check_tuning": "overlapkit.grading.lab10"}
-
-#: points per exercise (the check's name), the one place ``python -m overlapkit.grade``
-#: reads them from; an exercise earns them times the share of its check's cases passed
-POINTS = {
-    "check_ping_pong": 2,
-    "check_fit_alpha_beta": 2,
-    "check_bytes_moved": 2,
-    "check_all_reduce": 4,
-    "check_reduce_scatter": 3,
-    "check_all_gather": 3,
-    "check_zero1_step": 4,
-    "check_memory_per_rank": 2,
-    "check_overlapped_step": 3,
-    "check_timed_step": 2,
-    "check_hook_ddp": 5,
-    "check_assign_buckets": 3,
-    "check_bucketed_ddp": 5,
-    "check_1f1b_schedule": 3,
-    "check_gpipe_step": 5,
-    "check_average_parameters": 3,
-    "check_tuning": 4,
-    "check_ag_matmul": 4,
-    "check_chunked_moe": 5,
-    "check_fsdp_plan": 5,
-    "check_topk_with_feedback": 5,
-    "check_mesh_groups": 2,
-    "check_hybrid_plan": 5,
-}
-
 __all__ = [
     "POINTS",
+    "WITNESSED",
     "Report",
     "check_ping_pong",
     "check_fit_alpha_beta",

@@ -42,6 +42,7 @@ from ..p2p import Link
 from ..sandbox import answers
 from . import traffic as recorder
 from .common import _learner_line, report_failure, sealed_rank_hint
+from .exercises import answers_of
 from .lab01 import _HOW, PARTS, collective_calls, made_of_problem, padding_advice
 from .report import Report
 from .traffic import Traffic, run_recorded
@@ -388,8 +389,8 @@ def _check(name, fn, runner, expected, world_sizes, op, from_scratch, timeout,
            inputs=None, made_of=None, pattern=None) -> Report:  # fmt: skip
     report = Report(name)
     extra = {"made_of": tuple(made_of)} if made_of else {}
-    forbid = (answers.of("from_scratch") if from_scratch
-              else answers.of("made_of") if made_of else ())  # fmt: skip
+    forbid = (answers_of("from_scratch") if from_scratch
+              else answers_of("made_of") if made_of else ())  # fmt: skip
     given = expected, inputs
     for world in world_sizes:
         what = f"{name} on {world} ranks"

@@ -157,7 +157,7 @@ class Unfinished(Exception):
 def call_or_report(report: Report, what: str, fn, *args, forbid=None):
     """Call a learner's single-process function; a crash becomes one ✘ line (and None),
     an unfinished exercise raises :class:`Unfinished` after its ✘ line (stop checking).
-    ``forbid``: the kit's own answers (dotted names, ``answers.ANSWERS``); the call fails
+    ``forbid``: the kit's own answers (dotted names, ``exercises.ANSWERS``); the call fails
     (and checking stops) when their code runs during the learner's call, under whatever
     name it was reached."""
     ran: list[str] = []

@@ -17,10 +17,10 @@ import torch
 
 from .. import handles
 from ..costmodel import ddp_buckets
-from ..sandbox import answers
 from ..sandbox.sealed import seal
 from .collectives import CHECK_LINK
 from .common import Unfinished, call_or_report, run_or_report, worst_element
+from .exercises import answers_of
 from .report import Report
 from .traffic import shown
 
@@ -471,7 +471,7 @@ def check_hook_ddp(wrapper_cls, world_size: int = WORLD, timeout: float = TIMEOU
         (),
         world_size,
         timeout,
-        answers.of("check_hook_ddp"),
+        answers_of("check_hook_ddp"),
     )
     if results is None:
         _loop_hint(report)
@@ -551,7 +551,7 @@ def check_assign_buckets(assign_buckets) -> Report:
     for what, sizes, mb in BUCKET_CASES:
         try:
             ran, got = call_or_report(report, what, assign_buckets, list(sizes), mb,
-                                      forbid=answers.of("check_assign_buckets"))  # fmt: skip
+                                      forbid=answers_of("check_assign_buckets"))  # fmt: skip
         except Unfinished:
             return report
         if not ran:
@@ -656,7 +656,7 @@ def check_bucketed_ddp(wrapper_cls, bucket_mb: float = CHECK_BUCKET_MB, world_si
         (bucket_mb,),
         world_size,
         timeout,
-        answers.of("check_bucketed_ddp"),
+        answers_of("check_bucketed_ddp"),
     )
     if results is None:
         _loop_hint(report)

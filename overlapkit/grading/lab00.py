@@ -11,6 +11,7 @@ from ..pingpong import ping_pong as reference_ping_pong
 from ..sandbox import answers
 from ..sandbox.sealed import seal
 from .common import human_bytes, human_seconds, plain_number, run_or_report
+from .exercises import answers_of
 from .report import Report
 
 #: a reported one-way time passes when it is within this factor of a one-way statistic
@@ -47,7 +48,7 @@ def _interleaved(student_fn, nbytes, iters, rounds):
     student, kit = [], []
     for _ in range(rounds):
         # the learner's call under the watch (the kit's answers refuse to run), the kit's not
-        with answers.running(answers.of("check_ping_pong")) as ran:
+        with answers.running(answers_of("check_ping_pong")) as ran:
             student.append(student_fn(nbytes, iters))
         if ran:
             raise answers.AnswerRan.on(ok.rank(), ran)
@@ -165,7 +166,7 @@ def check_ping_pong(ping_pong, timeout: float = 10.0) -> Report:
             timeout=timeout,
             # the kit's ping-pong, whatever its name (not in the timed calls below: a
             # watch slows each Python call a little)
-            forbid=answers.of("check_ping_pong"),
+            forbid=answers_of("check_ping_pong"),
         )
         if results is None:
             return report
@@ -189,7 +190,7 @@ def _check_timing(report: Report, ping_pong, timeout: float) -> None:
     for _ in range(TIMING_CALLS_MAX):
         results = run_or_report(report, f"ping_pong({nbytes}, {iters})", ping_pong, nbytes,
                                 iters, world_size=2, timeout=max(timeout, 30.0),
-                                forbid=answers.of("check_ping_pong"))  # fmt: skip
+                                forbid=answers_of("check_ping_pong"))  # fmt: skip
         if results is None:
             return
         value, traffic = results[0]
@@ -324,7 +325,7 @@ def check_fit_alpha_beta(fit_alpha_beta) -> Report:
     cases = [("measurements on the line", exact, 0.01), ("noisy measurements (±15%)", noisy, 0.35)]
     for label, times, tol in cases:
         try:
-            with answers.running(answers.of("check_fit_alpha_beta")) as ran:
+            with answers.running(answers_of("check_fit_alpha_beta")) as ran:
                 got = fit_alpha_beta(list(sizes), list(times))
         except NotImplementedError:
             report.fail(

@@ -21,6 +21,7 @@ from ..sandbox import answers
 from ..sandbox.sealed import seal
 from ..sharded import flatten_padded, unflatten_into
 from .common import plain_number, refused_rank, run_or_report, worst_element
+from .exercises import answers_of
 from .report import Report
 from .traffic import shown
 
@@ -355,7 +356,7 @@ def check_zero1_step(zero1_step, world_size: int = 3, timeout: float = 60.0) -> 
     seeds = [secrets.randbits(62) for _ in range(world_size)]
     results = run_or_report(report, what, _run, zero1_step, world_size=world_size,
                             timeout=timeout, explain=_explain,
-                            forbid=answers.of("check_zero1_step"),
+                            forbid=answers_of("check_zero1_step"),
                             rank_kwargs=[{"seed": seed} for seed in seeds])  # fmt: skip
     if results is None:
         return report
@@ -457,7 +458,7 @@ def check_memory_per_rank(memory_per_rank) -> Report:
     for n_params, world, optimizer, zero1 in MEMORY_CASES:
         label = f"memory_per_rank({n_params:,}, {world}, {optimizer!r}, zero1={zero1})"
         try:
-            with answers.running(answers.of("check_memory_per_rank")) as ran:
+            with answers.running(answers_of("check_memory_per_rank")) as ran:
                 got = memory_per_rank(n_params, world, optimizer, zero1)
         except NotImplementedError:
             report.fail(f"{label}: not implemented yet (still raises NotImplementedError)")

@@ -32,8 +32,8 @@ import torch
 
 from .. import handles
 from ..p2p import Link
-from ..sandbox import answers
 from .common import run_or_report
+from .exercises import answers_of
 from .report import Report
 from .traffic import shown
 
@@ -723,7 +723,7 @@ def _check(name: str, fn, timed: bool, timeout: float, compute_s: float) -> Repo
     from ..launcher import dumps_keeping_filenames  # noqa: PLC0415
 
     # the kit's answers are watched in the untimed check: a watch slows each Python call
-    forbid = () if timed else answers.of("check_overlapped_step")
+    forbid = () if timed else answers_of("check_overlapped_step")
     results = run_or_report(report, f"{name} on {WORLD} ranks", _run, dumps_keeping_filenames(fn),
                             timed, compute_s, timeout / 3, world_size=WORLD, timeout=timeout,
                             link=LINK, explain=_explain,

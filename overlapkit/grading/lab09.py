@@ -9,7 +9,6 @@ import secrets
 import torch
 
 from .. import handles
-from ..sandbox import answers
 from .collectives import CHECK_LINK
 from .common import (
     PeersReturned,
@@ -19,6 +18,7 @@ from .common import (
     wait_unless_stuck,
     worst_element,
 )
+from .exercises import answers_of
 from .report import Report
 
 WORLDS = (2, 3)  # average_parameters: 2 ranks, then 3 (a divisor of 2 shows there)
@@ -273,7 +273,7 @@ def check_average_parameters(average_parameters, local_sgd_step=None,
         results = run_or_report(report, what, run, *args, world_size=world, timeout=timeout,
                                 link=CHECK_LINK, explain=_explain,
                                 rank_kwargs=[{"seed": s} for s in seeds],
-                                forbid=answers.of("check_average_parameters"))  # fmt: skip
+                                forbid=answers_of("check_average_parameters"))  # fmt: skip
         if results is not None:
             _add_wants(results, seeds, k)
         if results is None or not judge(report, what, results, world if k is None else k):

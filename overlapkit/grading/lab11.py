@@ -9,7 +9,6 @@ import torch
 
 from .. import handles, inflight
 from ..collectives import chunk_bounds
-from ..sandbox import answers
 from .collectives import CHECK_LINK
 from .common import (
     PeersReturned,
@@ -19,6 +18,7 @@ from .common import (
     wait_unless_stuck,
 )
 from .common import builtin_collectives as _builtins
+from .exercises import answers_of
 from .report import Report
 
 # --------------------------------------------------------------------------- shared
@@ -345,7 +345,7 @@ def check_ag_matmul(ag_matmul, timeout: float = 20.0) -> Report:
         seeds = [secrets.randbits(62) for _ in range(world)]
         results = run_or_report(_Hinted(report, hint), what, _run_ag, ag_matmul,
                                 world_size=world, timeout=timeout, link=CHECK_LINK,
-                                forbid=answers.of("check_ag_matmul"),
+                                forbid=answers_of("check_ag_matmul"),
                                 rank_kwargs=[{"seed": seed} for seed in seeds])  # fmt: skip
         if results is None:
             return report
@@ -645,7 +645,7 @@ def check_chunked_moe(chunked_moe, timeout: float = 20.0) -> Report:
         expert_seeds = [secrets.randbits(62) for _ in range(world)]
         results = run_or_report(_Hinted(report, hint), what, _run_moe, chunked_moe, chunks,
                                 world_size=world, timeout=timeout, link=CHECK_LINK,
-                                explain=_split_sizes, forbid=answers.of("check_chunked_moe"),
+                                explain=_split_sizes, forbid=answers_of("check_chunked_moe"),
                                 rank_kwargs=[{"seed": s, "expert_seed": e} for s, e
                                              in zip(seeds, expert_seeds, strict=True)])  # fmt: skip
         if results is None:

@@ -31,8 +31,8 @@ import torch
 
 from .. import handles, p2p
 from ..costmodel import top_k_count
-from ..sandbox import answers
 from .common import run_or_report, worst_element
+from .exercises import answers_of
 from .report import Report
 from .traffic import shown
 
@@ -445,7 +445,7 @@ def check_topk_with_feedback(topk_with_feedback, timeout: float = 30.0) -> Repor
         seeds, shared = [secrets.randbits(62) for _ in range(world)], secrets.randbits(62)
         results = run_or_report(report, what, _run, topk_with_feedback, numel, fraction, shared,
                                 world_size=world, timeout=timeout, explain=_explain,
-                                forbid=answers.of("check_topk_with_feedback"),
+                                forbid=answers_of("check_topk_with_feedback"),
                                 rank_kwargs=[{"seed": s} for s in seeds])  # fmt: skip
         if results is None:
             return report
