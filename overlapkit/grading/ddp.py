@@ -18,8 +18,9 @@ import torch
 from .. import handles
 from ..costmodel import ddp_buckets
 from ..sandbox.sealed import seal
+from .cases import Case, run_cases
 from .collectives import CHECK_LINK
-from .common import Unfinished, call_or_report, run_or_report, worst_element
+from .common import Unfinished, call_or_report, worst_element
 from .exercises import answers_of
 from .report import Report
 from .traffic import shown
@@ -94,22 +95,24 @@ def _reference(data, world: int) -> list[tuple[dict, dict]]:
     return out
 
 
-def _run(report: Report, what: str, wrapper_cls, make_args, world: int, timeout: float,
-         forbid) -> list | None:  # fmt: skip
+def _run(report: Report, check: str, what: str, wrapper_cls, make_args, world: int,
+         timeout: float) -> list | None:  # fmt: skip
     """Train with the learner's wrapper on ``world`` ranks, each on its own secret slices;
     each rank's trace completed with the reference's (weights, gradients) per step."""
     data = _data(world, secrets.randbits(62))
-    private = [_slices(data, r) for r in range(world)]
-    results = run_or_report(report, what, _train, wrapper_cls, make_args, world_size=world,
-                            timeout=timeout, link=CHECK_LINK, explain=_explain_race,
-                            forbid=forbid, rank_kwargs=private)  # fmt: skip
-    if results is not None:
+
+    def references(results) -> bool:  # the verdict comes after, in cases of its own
         refs = _reference(data, world)
         for res, _ in results:
             res["trace"] = [(got, want, right, grads)
                             for (got, grads), (want, right) in zip(res["trace"], refs,
                                                                    strict=False)]  # fmt: skip
-    return results
+        return True
+
+    private = [_slices(data, r) for r in range(world)]
+    case = Case(what, world, _train, (wrapper_cls, make_args), references, private)
+    return run_cases(report, check, [case], timeout=timeout, link=CHECK_LINK,
+                     explain=_explain_race)  # fmt: skip
 
 
 def _kit_ops_issued() -> int:
@@ -464,15 +467,8 @@ def check_hook_ddp(wrapper_cls, world_size: int = WORLD, timeout: float = TIMEOU
     them in ``finish_gradient_synchronization()``.
     """
     report = Report("hook_ddp")
-    results = _run(
-        report,
-        f"{wrapper_cls.__name__} on {world_size} ranks",
-        wrapper_cls,
-        (),
-        world_size,
-        timeout,
-        answers_of("check_hook_ddp"),
-    )
+    what = f"{wrapper_cls.__name__} on {world_size} ranks"
+    results = _run(report, "check_hook_ddp", what, wrapper_cls, (), world_size, timeout)
     if results is None:
         _loop_hint(report)
         return report
@@ -649,15 +645,9 @@ def check_bucketed_ddp(wrapper_cls, bucket_mb: float = CHECK_BUCKET_MB, world_si
     order = list(reversed([p for p in _net().parameters() if p.requires_grad]))
     want = ddp_buckets([p.numel() * p.element_size() for p in order], bucket_mb)
     expect = [sum(order[i].numel() for i in b) for b in want]
-    results = _run(
-        report,
-        f"{wrapper_cls.__name__}(bucket_mb={bucket_mb:.3g}) on {world_size} ranks",
-        wrapper_cls,
-        (bucket_mb,),
-        world_size,
-        timeout,
-        answers_of("check_bucketed_ddp"),
-    )
+    what = f"{wrapper_cls.__name__}(bucket_mb={bucket_mb:.3g}) on {world_size} ranks"
+    results = _run(report, "check_bucketed_ddp", what, wrapper_cls, (bucket_mb,), world_size,
+                   timeout)  # fmt: skip
     if results is None:
         _loop_hint(report)
         return report

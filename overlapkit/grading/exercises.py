@@ -120,5 +120,6 @@ ANSWERS: dict[str, tuple[str, ...]] = {
 
 
 def answers_of(name: str) -> tuple[str, ...]:
-    """The answers a check forbids (by its function's name), or an answer set's."""
-    return ANSWERS[name]
+    """The answers a check forbids (by its function's name: none for some), or an answer
+    set's."""
+    return BY_CHECK[name].forbids if name in BY_CHECK else ANSWER_SETS[name]

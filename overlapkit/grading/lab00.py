@@ -10,6 +10,7 @@ from ..costmodel import fit_alpha_beta as reference_fit
 from ..pingpong import ping_pong as reference_ping_pong
 from ..sandbox import answers
 from ..sandbox.sealed import seal
+from .cases import Case, run_cases
 from .common import human_bytes, human_seconds, plain_number, run_or_report
 from .exercises import answers_of
 from .report import Report
@@ -155,32 +156,29 @@ def check_ping_pong(ping_pong, timeout: float = 10.0) -> Report:
     """
     report = Report("ping_pong")
     iters = 8
-    for nbytes in (8, 1 << 20):
-        results = run_or_report(
-            report,
-            f"ping_pong({nbytes}, {iters})",
-            ping_pong,
-            nbytes,
-            iters,
-            world_size=2,
-            timeout=timeout,
-            # the kit's ping-pong, whatever its name (not in the timed calls below: a
-            # watch slows each Python call a little)
-            forbid=answers_of("check_ping_pong"),
-        )
-        if results is None:
-            return report
-        (value, t0), (_, t1) = results
-        size = human_bytes(nbytes)
-        messages_right = _check_messages(report, size, nbytes, iters, t0, t1)
-        if not _check_value(report, size, value) or not messages_right:
-            return report  # the timing would only echo what is wrong above
+    cases = [_case(report, ping_pong, nbytes, iters) for nbytes in (8, 1 << 20)]
+    # the kit's ping-pong, whatever its name, refuses to run (not in the timed calls
+    # below: a watch slows each Python call a little)
+    if run_cases(report, "check_ping_pong", cases, timeout=timeout) is None:
+        return report  # the timing would only echo what is wrong above
 
     # One-way, not round trip: compare with the kit, interleaved, at a size where
     # bandwidth dominates; per-round ratios, medians, and a second attempt only when
     # the first lands between the band and the next mistake.
     _check_timing(report, ping_pong, timeout)
     return report
+
+
+def _case(report: Report, ping_pong, nbytes: int, iters: int) -> Case:
+    """(1) the messages and (2) the value, at ``nbytes``."""
+
+    def judge(results) -> bool:
+        (value, t0), (_, t1) = results
+        size = human_bytes(nbytes)
+        messages_right = _check_messages(report, size, nbytes, iters, t0, t1)
+        return _check_value(report, size, value) and messages_right
+
+    return Case(f"ping_pong({nbytes}, {iters})", 2, ping_pong, (nbytes, iters), judge)
 
 
 def _check_timing(report: Report, ping_pong, timeout: float) -> None:

@@ -11,7 +11,6 @@ itself gathered, a NaN read before a wait, a shard without ``.grad``.
 from __future__ import annotations
 
 import math
-import secrets
 from collections import Counter
 
 import torch
@@ -20,7 +19,8 @@ from .. import handles
 from ..sandbox import answers
 from ..sandbox.sealed import seal
 from ..sharded import flatten_padded, unflatten_into
-from .common import plain_number, refused_rank, run_or_report, worst_element
+from .cases import Case, private_seeds, run_cases, seeded
+from .common import plain_number, refused_rank, worst_element
 from .exercises import answers_of
 from .report import Report
 from .traffic import shown
@@ -353,17 +353,19 @@ def check_zero1_step(zero1_step, world_size: int = 3, timeout: float = 60.0) -> 
     """
     report = Report("zero1_step")
     what = f"zero1_step on {world_size} ranks"
-    seeds = [secrets.randbits(62) for _ in range(world_size)]
-    results = run_or_report(report, what, _run, zero1_step, world_size=world_size,
-                            timeout=timeout, explain=_explain,
-                            forbid=answers_of("check_zero1_step"),
-                            rank_kwargs=[{"seed": seed} for seed in seeds])  # fmt: skip
+    seeds = private_seeds(world_size)
+
+    def references(results) -> bool:  # the verdict comes below, in cases of its own
+        _references([res for res, _ in results], seeds)
+        for res, traffic in results:
+            res["gathers"] = any("all_gather" in c for c in traffic.collectives)
+        return True
+
+    case = Case(what, world_size, _run, (zero1_step,), references, seeded(seeds))
+    results = run_cases(report, "check_zero1_step", [case], timeout=timeout, explain=_explain)
     if results is None:
         return report
     values = [res for res, _ in results]
-    _references(values, seeds)
-    for res, traffic in results:
-        res["gathers"] = any("all_gather" in c for c in traffic.collectives)
     right = _values(report, what, values, world_size)
     built = right and _communication(report, what, results, world_size)
     if built:

@@ -32,8 +32,7 @@ import torch
 
 from .. import handles
 from ..p2p import Link
-from .common import run_or_report
-from .exercises import answers_of
+from .cases import Case, run_cases
 from .report import Report
 from .traffic import shown
 
@@ -722,12 +721,17 @@ def _check(name: str, fn, timed: bool, timeout: float, compute_s: float) -> Repo
     report = Report(name)
     from ..launcher import dumps_keeping_filenames  # noqa: PLC0415
 
-    # the kit's answers are watched in the untimed check: a watch slows each Python call
-    forbid = () if timed else answers_of("check_overlapped_step")
-    results = run_or_report(report, f"{name} on {WORLD} ranks", _run, dumps_keeping_filenames(fn),
-                            timed, compute_s, timeout / 3, world_size=WORLD, timeout=timeout,
-                            link=LINK, explain=_explain,
-                            forbid=forbid)  # fmt: skip
+    # the kit's answers are watched in the untimed check only (grading.exercises): a watch
+    # slows each Python call
+    case = Case(
+        f"{name} on {WORLD} ranks",
+        WORLD,
+        _run,
+        (dumps_keeping_filenames(fn), timed, compute_s, timeout / 3),
+        lambda _: True,
+    )
+    check = "check_timed_step" if timed else "check_overlapped_step"
+    results = run_cases(report, check, [case], timeout=timeout, link=LINK, explain=_explain)
     if results is None:
         return report
     _handle_case(report, results, name)

@@ -4,28 +4,25 @@ from __future__ import annotations
 
 import contextlib
 import math
-import secrets
 
 import torch
 
 from .. import handles
+from .cases import Case, private_seeds, run_cases, seeded
 from .collectives import CHECK_LINK
 from .common import (
     PeersReturned,
     builtin_collectives,
     refused_rank,
-    run_or_report,
     wait_unless_stuck,
     worst_element,
 )
-from .exercises import answers_of
 from .report import Report
 
 WORLDS = (2, 3)  # average_parameters: 2 ranks, then 3 (a divisor of 2 shows there)
 STEPS, LR = 7, 0.1
 LOCAL_CASES = ((2, 3), (3, 2))  # local_sgd_step: (ranks, k) — two k, so a fixed period shows
 _KIT_REDUCTIONS = ("ring_all_reduce", "naive_all_reduce", "bucketed_all_reduce")
-_SKIPPED = "not reached: the check stops at its first failure (above)"
 
 
 def _model(rank: int, seed: int) -> torch.nn.Module:
@@ -254,34 +251,41 @@ def check_average_parameters(average_parameters, local_sgd_step=None,
     2 ranks and k = 2 on 3. The check stops at its first failure; the cases after it
     count as not passed ("not reached"), so the score is out of every case."""
     report = Report("average_parameters")
-    cases = [(f"average_parameters on {world} ranks", world, None) for world in WORLDS]
+    cases = [_mean_case(report, average_parameters, world) for world in WORLDS]
     if local_sgd_step is not None:
-        cases += [(f"local_sgd_step on {w} ranks, k = {k}", w, k) for w, k in LOCAL_CASES]
-    for n, (what, world, k) in enumerate(cases):
-        if k is None:
-            run, args, judge = _run, (average_parameters,), _judge
-            passed = ("every parameter is the mean over the ranks, in place; gradients and "
-                      "buffers untouched")  # fmt: skip
-        else:
-            run, args, judge = _run_local_sgd, (local_sgd_step, k), _judge_local_sgd
-            passed = (f"each rank followed its own batches, and after steps "
-                      f"{', '.join(map(str, _steps(k)))} (and only then) every rank held the "
-                      "mean of the ranks' models")  # fmt: skip
-        # each rank's values come from a seed of its own, drawn here and sent to it alone;
-        # what they should come to is worked out here, where every seed is known
-        seeds = [secrets.randbits(40) for _ in range(world)]
-        results = run_or_report(report, what, run, *args, world_size=world, timeout=timeout,
-                                link=CHECK_LINK, explain=_explain,
-                                rank_kwargs=[{"seed": s} for s in seeds],
-                                forbid=answers_of("check_average_parameters"))  # fmt: skip
-        if results is not None:
-            _add_wants(results, seeds, k)
-        if results is None or not judge(report, what, results, world if k is None else k):
-            for later, _, _ in cases[n + 1 :]:
-                report.fail(f"{later}: {_SKIPPED}")
-            break
-        report.ok(f"{what}: {passed}")
+        cases += [_local_sgd_case(report, local_sgd_step, w, k) for w, k in LOCAL_CASES]
+    run_cases(report, "check_average_parameters", cases, timeout=timeout, link=CHECK_LINK,
+              explain=_explain, not_reached=True)  # fmt: skip
     return report
+
+
+# each rank's values come from a seed of its own, drawn here and sent to it alone; what
+# they should come to is worked out here, where every seed is known
+
+
+def _mean_case(report: Report, average_parameters, world: int) -> Case:
+    what, seeds = f"average_parameters on {world} ranks", private_seeds(world, 40)
+
+    def judge(results) -> bool:
+        _add_wants(results, seeds, None)
+        return _judge(report, what, results, world)
+
+    passed = ("every parameter is the mean over the ranks, in place; gradients and "
+              "buffers untouched")  # fmt: skip
+    return Case(what, world, _run, (average_parameters,), judge, seeded(seeds), passed)
+
+
+def _local_sgd_case(report: Report, local_sgd_step, world: int, k: int) -> Case:
+    what, seeds = f"local_sgd_step on {world} ranks, k = {k}", private_seeds(world, 40)
+
+    def judge(results) -> bool:
+        _add_wants(results, seeds, k)
+        return _judge_local_sgd(report, what, results, k)
+
+    passed = (f"each rank followed its own batches, and after steps "
+              f"{', '.join(map(str, _steps(k)))} (and only then) every rank held the "
+              "mean of the ranks' models")  # fmt: skip
+    return Case(what, world, _run_local_sgd, (local_sgd_step, k), judge, seeded(seeds), passed)
 
 
 def _never_waited(report: Report, what: str, rank: int, unwaited: list[str], nan: bool) -> None:

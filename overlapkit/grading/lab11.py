@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import secrets
 import time
 
 import torch
 
 from .. import handles, inflight
 from ..collectives import chunk_bounds
+from .cases import Case, private_seeds, run_cases, seeded
 from .collectives import CHECK_LINK
 from .common import (
     PeersReturned,
     recorded_calls,
     refused_rank,
-    run_or_report,
     wait_unless_stuck,
 )
 from .common import builtin_collectives as _builtins
-from .exercises import answers_of
 from .report import Report
 
 # --------------------------------------------------------------------------- shared
@@ -339,21 +337,23 @@ def check_ag_matmul(ag_matmul, timeout: float = 20.0) -> Report:
     which rank, which block of rows (whose shard) differs; then that it was built from
     ``ok.p2p`` messages and that a transfer was in flight during a multiplication."""
     report = Report("ag_matmul")
-    for world in (2, 3):
-        what = f"ag_matmul on {world} ranks"
-        hint = _WORLD_HINT if world > 2 else ""  # the 3-rank case runs once 2 ranks passed
-        seeds = [secrets.randbits(62) for _ in range(world)]
-        results = run_or_report(_Hinted(report, hint), what, _run_ag, ag_matmul,
-                                world_size=world, timeout=timeout, link=CHECK_LINK,
-                                forbid=answers_of("check_ag_matmul"),
-                                rank_kwargs=[{"seed": seed} for seed in seeds])  # fmt: skip
-        if results is None:
-            return report
-        _ag_wants(results, seeds)
-        if not _ag_results(report, what, results, world, hint):
-            return report
-    report.ok("every rank holds AllGather(x) @ Wᵀ, shard by shard, on 2 and 3 ranks")
+    cases = [_ag_case(report, ag_matmul, world) for world in (2, 3)]
+    if run_cases(report, "check_ag_matmul", cases, timeout=timeout, link=CHECK_LINK) is not None:
+        report.ok("every rank holds AllGather(x) @ Wᵀ, shard by shard, on 2 and 3 ranks")
     return report
+
+
+def _ag_case(report: Report, ag_matmul, world: int) -> Case:
+    what = f"ag_matmul on {world} ranks"
+    hint = _WORLD_HINT if world > 2 else ""  # the 3-rank case runs once 2 ranks passed
+    seeds = private_seeds(world)
+
+    def judge(results) -> bool:
+        _ag_wants(results, seeds)
+        return _ag_results(report, what, results, world, hint)
+
+    return Case(what, world, _run_ag, (ag_matmul,), judge, seeded(seeds),
+                failures=_Hinted(report, hint))  # fmt: skip
 
 
 def _ag_results(report, what, results, world, hint) -> bool:
@@ -637,24 +637,27 @@ def check_chunked_moe(chunked_moe, timeout: float = 20.0) -> Report:
     chunk's dispatch in flight while this one's expert computes) on 2 and 3 ranks, with
     token counts that differ by rank and do not divide into the chunks."""
     report = Report("chunked_moe")
-    for world, chunks in ((2, 1), (2, 3), (3, 4)):
-        what = f"chunked_moe on {world} ranks, {chunks} chunk{'s' if chunks > 1 else ''}"
-        # the 3-rank case runs once the 2-rank ones passed
-        hint = _WORLD_HINT.replace("2 where", "2 (or minlength=2) where") if world > 2 else ""
-        seeds = [secrets.randbits(62) for _ in range(world)]
-        expert_seeds = [secrets.randbits(62) for _ in range(world)]
-        results = run_or_report(_Hinted(report, hint), what, _run_moe, chunked_moe, chunks,
-                                world_size=world, timeout=timeout, link=CHECK_LINK,
-                                explain=_split_sizes, forbid=answers_of("check_chunked_moe"),
-                                rank_kwargs=[{"seed": s, "expert_seed": e} for s, e
-                                             in zip(seeds, expert_seeds, strict=True)])  # fmt: skip
-        if results is None:
-            return report
-        _moe_wants(results, seeds, expert_seeds)
-        if not _moe_results(report, what, results, chunks, hint):
-            return report
-        report.ok(f"{what}: every token came back with its expert's output")
+    cases = [_moe_case(report, chunked_moe, world, chunks)
+             for world, chunks in ((2, 1), (2, 3), (3, 4))]  # fmt: skip
+    run_cases(report, "check_chunked_moe", cases, timeout=timeout, link=CHECK_LINK,
+              explain=_split_sizes)  # fmt: skip
     return report
+
+
+def _moe_case(report: Report, chunked_moe, world: int, chunks: int) -> Case:
+    what = f"chunked_moe on {world} ranks, {chunks} chunk{'s' if chunks > 1 else ''}"
+    # the 3-rank case runs once the 2-rank ones passed
+    hint = _WORLD_HINT.replace("2 where", "2 (or minlength=2) where") if world > 2 else ""
+    seeds, expert_seeds = private_seeds(world), private_seeds(world)
+
+    def judge(results) -> bool:
+        _moe_wants(results, seeds, expert_seeds)
+        return _moe_results(report, what, results, chunks, hint)
+
+    private = [{"seed": s, "expert_seed": e} for s, e in zip(seeds, expert_seeds, strict=True)]
+    return Case(what, world, _run_moe, (chunked_moe, chunks), judge, private,
+                passed="every token came back with its expert's output",
+                failures=_Hinted(report, hint))  # fmt: skip
 
 
 def _split_sizes(error: str) -> str:

@@ -31,8 +31,8 @@ import torch
 
 from .. import handles, p2p
 from ..costmodel import top_k_count
-from .common import run_or_report, worst_element
-from .exercises import answers_of
+from .cases import Case, private_seeds, run_cases, seeded
+from .common import worst_element
 from .report import Report
 from .traffic import shown
 
@@ -439,25 +439,25 @@ def check_topk_with_feedback(topk_with_feedback, timeout: float = 30.0) -> Repor
     """Check ``topk_with_feedback(flat, residual, fraction) -> new residual`` on 2 and 3
     ranks, three steps each (see the module docstring)."""
     report = Report("topk_with_feedback")
-    for world, numel, fraction in CASES:
-        k = top_k_count(numel, fraction)
-        what = f"{world} ranks, {numel} elements, fraction {fraction:g} (k = {k})"
-        seeds, shared = [secrets.randbits(62) for _ in range(world)], secrets.randbits(62)
-        results = run_or_report(report, what, _run, topk_with_feedback, numel, fraction, shared,
-                                world_size=world, timeout=timeout, explain=_explain,
-                                forbid=answers_of("check_topk_with_feedback"),
-                                rank_kwargs=[{"seed": s} for s in seeds])  # fmt: skip
-        if results is None:
-            return report
-        if not _judge(report, what, results, seeds, shared, numel, fraction):
-            return report
-        if not _communication(report, what, results, numel, fraction):
-            return report
-        report.ok(
-            f"{what}: {STEPS} steps, every rank's average and residual right; each rank "
-            f"gathered {k} values and {k} indices a step"
-        )
+    cases = [_case(report, topk_with_feedback, *case) for case in CASES]
+    run_cases(report, "check_topk_with_feedback", cases, timeout=timeout, explain=_explain)
     return report
+
+
+def _case(report: Report, topk_with_feedback, world: int, numel: int, fraction: float) -> Case:
+    k = top_k_count(numel, fraction)
+    what = f"{world} ranks, {numel} elements, fraction {fraction:g} (k = {k})"
+    seeds, shared = private_seeds(world), secrets.randbits(62)
+
+    def judge(results) -> bool:
+        return _judge(report, what, results, seeds, shared, numel, fraction) and _communication(
+            report, what, results, numel, fraction
+        )
+
+    passed = (f"{STEPS} steps, every rank's average and residual right; each rank "
+              f"gathered {k} values and {k} indices a step")  # fmt: skip
+    return Case(what, world, _run, (topk_with_feedback, numel, fraction, shared), judge,
+                seeded(seeds), passed)  # fmt: skip
 
 
 def _explain(text: str) -> str:
