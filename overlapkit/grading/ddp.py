@@ -22,6 +22,7 @@ from .cases import Case, run_cases
 from .collectives import CHECK_LINK
 from .common import Unfinished, call_or_report, worst_element
 from .exercises import answers_of
+from .mistakes import bypasses_the_link
 from .report import Report
 from .traffic import shown
 
@@ -200,12 +201,10 @@ def _builtins(results) -> str | None:
     for rank, (_, traffic) in enumerate(results):
         called = sorted({c for c in traffic.collectives if not c.startswith("ok.")} - {"broadcast"})
         if called:
-            return (
-                f"rank {rank} called {', '.join(map(shown, called))}: use "
-                "ok.ring_all_reduce(..., async_op=True). The built-in's bytes bypass the emulated "
-                "link, so the overlap you will measure would not be there (and this check cannot "
-                "see when your AllReduces ran)"
-            )
+            so = (", so the overlap you will measure would not be there (and this check "
+                  "cannot see when your AllReduces ran)")  # fmt: skip
+            return bypasses_the_link(rank, ", ".join(map(shown, called)),
+                                     "ok.ring_all_reduce(..., async_op=True)", so)  # fmt: skip
     return None
 
 

@@ -22,6 +22,7 @@ from ..sharded import flatten_padded, unflatten_into
 from .cases import Case, private_seeds, run_cases, seeded
 from .common import plain_number, refused_rank, worst_element
 from .exercises import answers_of
+from .mistakes import WAIT_BEFORE_READING, never_waited
 from .report import Report
 from .traffic import shown
 
@@ -261,11 +262,7 @@ def _values(report: Report, what: str, results, world: int) -> bool:
         if unwaited:
             nan = any(s["after"].isnan().any() for s in res["steps"])
             read = f"; flat_params then held NaN ({_POISON})" if nan else ""
-            report.fail(
-                f"{what}: rank {rank} never waited for {len(unwaited)} operation(s), e.g. "
-                f"{unwaited[0]}{read}: call .wait() on every handle before reading what it "
-                "delivers, and before returning"
-            )
+            report.fail(never_waited(what, rank, unwaited, WAIT_BEFORE_READING, read))
             return False
     numel = results[0]["numel"]
     for t in range(STEPS):  # the first step where any rank is off: all agreed before it

@@ -33,6 +33,7 @@ import torch
 from .. import handles
 from ..p2p import Link
 from .cases import Case, run_cases
+from .mistakes import bypasses_the_link
 from .report import Report
 from .traffic import shown
 
@@ -391,11 +392,9 @@ def _builtin_problem(rank: int, traffic) -> str | None:
     builtins += sorted(set(traffic.direct))
     if builtins:
         called = ", ".join(shown(name) for name in builtins)
-        return (
-            f"rank {rank} called {called}: use the kit's op, handle = ok.ring_all_reduce(grad, "
-            "async_op=True). The built-in's bytes bypass the emulated link (and the kit's "
-            "worker), so there is no AllReduce on the link to overlap or to time"
-        )
+        use = "the kit's op, handle = ok.ring_all_reduce(grad, async_op=True)"
+        so = " (and the kit's worker), so there is no AllReduce on the link to overlap or to time"
+        return bypasses_the_link(rank, called, use, so)
     others = sorted(
         {c for c in traffic.collectives if c.startswith("ok.")} - {"ok.ring_all_reduce"}
     )

@@ -17,6 +17,7 @@ from .common import (
     wait_unless_stuck,
     worst_element,
 )
+from .mistakes import WAIT_BEFORE_READING_THE_TENSOR, never_waited
 from .report import Report
 
 WORLDS = (2, 3)  # average_parameters: 2 ranks, then 3 (a divisor of 2 shows there)
@@ -291,11 +292,7 @@ def _local_sgd_case(report: Report, local_sgd_step, world: int, k: int) -> Case:
 def _never_waited(report: Report, what: str, rank: int, unwaited: list[str], nan: bool) -> None:
     read = ("; what it read in the meantime is NaN (the check poisons a tensor while an "
             "operation on it is in flight)") if nan else ""  # fmt: skip
-    report.fail(
-        f"{what}: rank {rank} never waited for {len(unwaited)} operation(s), e.g. "
-        f"{unwaited[0]}{read}: call .wait() on every handle before reading the tensor it "
-        "delivers, and before returning"
-    )
+    report.fail(never_waited(what, rank, unwaited, WAIT_BEFORE_READING_THE_TENSOR, read))
 
 
 def _divisor(got: torch.Tensor, total: torch.Tensor) -> float | None:

@@ -33,6 +33,7 @@ from .. import handles, p2p
 from ..costmodel import top_k_count
 from .cases import Case, private_seeds, run_cases, seeded
 from .common import worst_element
+from .mistakes import WAIT_BEFORE_READING, never_waited, not_over_the_link
 from .report import Report
 from .traffic import shown
 
@@ -334,11 +335,7 @@ def _judge(report: Report, what: str, results, seeds, shared, numel, fraction) -
                 if nan
                 else ""
             )
-            report.fail(
-                f"{what}: rank {rank} never waited for {len(unwaited)} operation(s), e.g. "
-                f"{unwaited[0]}{read}: call .wait() on every handle before reading what it "
-                "delivers, and before returning"
-            )
+            report.fail(never_waited(what, rank, unwaited, WAIT_BEFORE_READING, read))
             return False
     for t in range(STEPS):
         for rank, (steps, _) in enumerate(results):
@@ -412,10 +409,9 @@ def _communication(report: Report, what: str, results, numel: int, fraction: flo
                     f"gather only the {k} values and {k} indices with {_GATHER}"
                 )
                 return False
+            advice = f"exchange the values and indices with the kit's {_GATHER}"
             report.fail(
-                f"{what}: rank {rank} called {used}: exchange the values and indices with "
-                f"the kit's {_GATHER} (what this lab counts, and only the kit's messages "
-                "travel over the emulated link)"
+                f"{what}: " + not_over_the_link(rank, used, advice, "what this lab counts, and ")
             )
             return False
         sent = max(s["sent"] for s in steps)
