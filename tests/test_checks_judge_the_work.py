@@ -330,7 +330,7 @@ def test_the_right_sum_by_the_wrong_messages_fails_the_root_pattern(fn):
 def rebuilds_every_input_with_fixed_seeds(tensor):
     """Rebuild the check's inputs from guessed fixed seeds (1000·case + rank) and sum them,
     with no message at all: the seeds are drawn per run, so this fails."""
-    from overlapkit.grading.collectives import _sizes
+    from overlapkit.grading.lab03_collectives import _sizes
 
     me, world = ok.rank(), ok.world_size()
     salt = _sizes(world).index(tensor.numel())
@@ -347,7 +347,7 @@ def rebuilds_every_input_from_the_callers_frame(tensor):
     there, so all it can rebuild is its own input."""
     import inspect
 
-    from overlapkit.grading.collectives import _input, _sizes
+    from overlapkit.grading.lab03_collectives import _input, _sizes
 
     seeds = next(f.frame.f_locals["seeds"] for f in inspect.stack() if "seeds" in f.frame.f_locals)
     salt = _sizes(ok.world_size()).index(tensor.numel())
@@ -363,7 +363,7 @@ def test_no_rank_can_rebuild_the_other_ranks_inputs(fn):
 
 
 def average_by_rebuilding_every_model(model):
-    from overlapkit.grading.lab09 import _model
+    from overlapkit.grading.lab09_local_sgd import _model
 
     world = ok.world_size()
     everyone = [list(_model(r, 100 + r).parameters()) for r in range(world)]

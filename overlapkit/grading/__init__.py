@@ -6,18 +6,18 @@ Use in a notebook right after an exercise::
 """
 
 from .. import launcher
-from .collectives import check_all_gather, check_all_reduce, check_reduce_scatter
-from .ddp import check_assign_buckets, check_bucketed_ddp, check_hook_ddp
 from .exercises import POINTS, WITNESSED
-from .lab00 import check_fit_alpha_beta, check_ping_pong
-from .lab01 import check_bytes_moved
-from .lab04 import check_memory_per_rank, check_zero1_step
-from .lab05 import check_overlapped_step, check_timed_step
-from .lab09 import check_average_parameters
+from .lab00_ping_pong import check_fit_alpha_beta, check_ping_pong
+from .lab01_patterns import check_bytes_moved
+from .lab03_collectives import check_all_gather, check_all_reduce, check_reduce_scatter
+from .lab04_zero1 import check_memory_per_rank, check_zero1_step
+from .lab05_async import check_overlapped_step, check_timed_step
+from .lab06_ddp import check_assign_buckets, check_bucketed_ddp, check_hook_ddp
+from .lab09_local_sgd import check_average_parameters
 from .lab10 import check_tuning
-from .lab11 import check_ag_matmul, check_chunked_moe
+from .lab11_tensor_expert import check_ag_matmul, check_chunked_moe
 from .lab12 import check_fsdp_plan
-from .lab13 import check_topk_with_feedback
+from .lab13_compression import check_topk_with_feedback
 from .lab14 import check_hybrid_plan, check_mesh_groups
 from .pipeline import check_1f1b_schedule, check_gpipe_step
 from .report import Report

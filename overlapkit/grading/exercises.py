@@ -49,7 +49,7 @@ EXERCISES: tuple[Exercise, ...] = (
     Exercise("check_all_gather", 3, 3),
     Exercise("check_zero1_step", 4, 4, ("sharded.ShardedOptimizer",)),
     Exercise("check_memory_per_rank", 4, 2,
-             ("grading.lab04.memory_reference", "sharded.ShardedOptimizer"), light=True),
+             ("grading.lab04_zero1.memory_reference", "sharded.ShardedOptimizer"), light=True),
     Exercise("check_overlapped_step", 5, 3, (*_DDP, "training.train")),
     Exercise("check_timed_step", 5, 2),  # timed: a watch slows each Python call
     Exercise("check_hook_ddp", 6, 5, _DDP),
@@ -69,9 +69,9 @@ EXERCISES: tuple[Exercise, ...] = (
     # the kit's compressors (TopK is the answer) and the check's own references (not its
     # runner, which calls the learner's function)
     Exercise("check_topk_with_feedback", 13, 5,
-             ("compression", "grading.lab13", "!grading.lab13._run",
-              "!grading.lab13._gradients", "!grading.lab13._describe",
-              "!grading.lab13._same_storage"), light=True),
+             ("compression", "grading.lab13_compression", "!grading.lab13_compression._run",
+              "!grading.lab13_compression._gradients", "!grading.lab13_compression._describe",
+              "!grading.lab13_compression._same_storage"), light=True),
     # lab 14: the kit's mesh and plans, and the check's own expected values
     Exercise("check_mesh_groups", 14, 2, ("hybrid.make_mesh", "grading.lab14.expected_groups"),
              light=True),

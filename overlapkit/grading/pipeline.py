@@ -13,9 +13,9 @@ from .. import handles
 from ..pipeline import make_schedule
 from ..sandbox import answers
 from ..sandbox.sealed import seal
-from .collectives import CHECK_LINK
 from .common import Unfinished, call_or_report, run_or_report
 from .exercises import answers_of
+from .lab03_collectives import CHECK_LINK
 from .report import Report
 
 SCHEDULE_CASES = [(2, 4), (2, 1), (3, 4), (4, 6), (4, 2), (2, 7)]

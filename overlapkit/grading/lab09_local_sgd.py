@@ -9,7 +9,6 @@ import torch
 
 from .. import handles
 from .cases import Case, private_seeds, run_cases, seeded
-from .collectives import CHECK_LINK
 from .common import (
     PeersReturned,
     builtin_collectives,
@@ -17,6 +16,7 @@ from .common import (
     wait_unless_stuck,
     worst_element,
 )
+from .lab03_collectives import CHECK_LINK
 from .mistakes import WAIT_BEFORE_READING_THE_TENSOR, never_waited
 from .report import Report
 

@@ -19,9 +19,9 @@ from .. import handles
 from ..costmodel import ddp_buckets
 from ..sandbox.sealed import seal
 from .cases import Case, run_cases
-from .collectives import CHECK_LINK
 from .common import Unfinished, call_or_report, worst_element
 from .exercises import answers_of
+from .lab03_collectives import CHECK_LINK
 from .mistakes import bypasses_the_link
 from .report import Report
 from .traffic import shown

@@ -9,7 +9,6 @@ import torch
 from .. import handles, inflight
 from ..collectives import chunk_bounds
 from .cases import Case, private_seeds, run_cases, seeded
-from .collectives import CHECK_LINK
 from .common import (
     PeersReturned,
     recorded_calls,
@@ -17,6 +16,7 @@ from .common import (
     wait_unless_stuck,
 )
 from .common import builtin_collectives as _builtins
+from .lab03_collectives import CHECK_LINK
 from .report import Report
 
 # --------------------------------------------------------------------------- shared

@@ -43,7 +43,7 @@ from ..sandbox import answers
 from . import traffic as recorder
 from .common import _learner_line, report_failure, sealed_rank_hint
 from .exercises import answers_of
-from .lab01 import _HOW, PARTS, collective_calls, made_of_problem, padding_advice
+from .lab01_patterns import _HOW, PARTS, collective_calls, made_of_problem, padding_advice
 from .report import Report
 from .traffic import Traffic, run_recorded
 
