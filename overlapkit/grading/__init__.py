@@ -12,10 +12,12 @@ from .lab01_patterns import check_bytes_moved
 from .lab03_collectives import check_all_gather, check_all_reduce, check_reduce_scatter
 from .lab04_zero1 import check_memory_per_rank, check_zero1_step
 from .lab05_async import check_overlapped_step, check_timed_step
-from .lab06_ddp import check_assign_buckets, check_bucketed_ddp, check_hook_ddp
+from .lab06_ddp import check_hook_ddp
+from .lab07_buckets import check_assign_buckets, check_bucketed_ddp
 from .lab09_local_sgd import check_average_parameters
 from .lab10 import check_tuning
-from .lab11_tensor_expert import check_ag_matmul, check_chunked_moe
+from .lab11_ag_matmul import check_ag_matmul
+from .lab11_moe import check_chunked_moe
 from .lab12 import check_fsdp_plan
 from .lab13_compression import check_topk_with_feedback
 from .lab14 import check_hybrid_plan, check_mesh_groups
