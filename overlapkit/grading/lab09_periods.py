@@ -174,103 +174,122 @@ def _judge_local_sgd(report, what, results, k) -> bool:
         )
         return False
     for i in range(STEPS):
-        step = i + 1
         off = [
             r for r, (res, _) in enumerate(results) if not _close(res["after"][i], res["want"][i])
         ]
-        if not off:
-            continue
-        rank = off[0]
-        res = results[rank][0]
-        first = results[0][0]["after"][i]
-        agree = all(_close(r["after"][i], first) for r, _ in results)
-        before, after = _averaging(res["events"][i])
-        of_grads = any("(gradient)" in e for e in res["events"][i])
-        of_params = any("(parameter)" in e for e in res["events"][i])
-        if agree and step % k and of_grads and not of_params:
-            every = all(any("(gradient)" in e for e in ev) for ev in res["events"])
-            when = "in every step" if every else f"in step {step}"
-            report.fail(
-                f"{what}: rank {rank} all-reduced the gradients {when}, so every rank took "
-                "the same update and the models never drifted apart: that is synchronous "
-                f"SGD. Local SGD communicates only after steps {periods}, … (k = {k}), and "
-                "then averages the parameters"
-            )
-        elif agree and step % k:
-            report.fail(
-                f"{what}: after step {step} every rank holds the same model: rank {rank} "
-                f"averaged at step {step}. Local SGD lets each rank take k = {k} steps on its "
-                f"own batches, and averages after steps {periods}, … (steps count from 1)"
-            )
-        elif step % k == 0 and not agree:
-            if of_grads:
-                why = (
-                    f"rank {rank} averaged the gradients at step {step}: the ranks still "
-                    "differ by everything the steps before did. Local SGD averages the "
-                    "parameters (the models), after optimizer.step()"
-                )
-            elif before and not after:
-                why = (
-                    f"rank {rank} averaged before its update of step {step}: optimizer.step() "
-                    "then moved each rank by its own gradient, apart again. Average after "
-                    "optimizer.step()"
-                )
-            elif not before and not after:
-                late = i + 1 < STEPS and _averaging(res["events"][i + 1])[0]
-                why = f"rank {rank} ran no AllReduce in step {step}" + (
-                    f"; it averaged at the start of step {step + 1}, too late: the model "
-                    f"after step {step} (an evaluation, a checkpoint, the end of training) "
-                    f"is no average. Average at the end of step {step}, after "
-                    "optimizer.step()"
-                    if late
-                    else f": with k = {k}, average after steps {periods}, …"
-                )
-            else:
-                why = (
-                    f"rank {rank} communicated after its update of step {step}, but not the "
-                    "parameters' mean into the model: average the parameters "
-                    "(average_parameters(model))"
-                )
-            report.fail(f"{what}: after step {step} the ranks' models differ: {why}")
-        else:
-            got, want = res["after"][i], res["want"][i]
-            j = worst_element((got - want).abs(), 0.0)
-            start = res["want"][i - 1] if i else _flat(_sgd_model())
-            scale = _scaled_update(got, want, start) if step % k else None
-            if _close(got, res["unzeroed"][i]):
-                hint = (
-                    ": the gradients of earlier steps were added in — clear them every step "
-                    "(optimizer.zero_grad())"
-                )
-            elif scale is not None and abs(scale - BATCH) < 1e-2 * BATCH:
-                hint = (
-                    f": this step moved the parameters {BATCH}× as far as local SGD's, and "
-                    f"the batch has {BATCH} targets — the loss summed the squared errors; use "
-                    "their mean (torch.nn.functional.mse_loss's default reduction)"
-                )
-            elif scale is not None:
-                hint = (
-                    f": this step moved the parameters {scale:.3g}× as far as local SGD's, in "
-                    "the same direction: one step is the mean squared error of this rank's "
-                    "batch, backward, and one optimizer.step()"
-                )
-            else:
-                hint = (
-                    ": one step is the mean squared error of this rank's batch, backward, "
-                    "and one optimizer.step()"
-                )
-            report.fail(
-                f"{what}: after step {step}, rank {rank}'s parameters differ from local "
-                f"SGD's (element {j}: expected {want[j].item():.5f}, got {got[j].item():.5f})"
-                f"{hint}"
-            )
-        return False
+        if off:
+            report.fail(_step_line(what, results, off[0], i, k, periods))
+            return False
     values = results[0][0]["after"][0].numel()
     for rank, (res, traffic) in enumerate(results):
         if short := _short(res, traffic, values, len(_steps(k)), len(results)):
             report.fail(_by_another_door(what, rank, short, len(results)))
             return False
     return True
+
+
+def _step_line(what: str, results, rank: int, i: int, k: int, periods: str) -> str:
+    """The ✘ line for the first step (index ``i``) after which ``rank`` holds what local SGD
+    does not: averaged out of turn, not averaged, or a step of its own gone wrong."""
+    step = i + 1
+    res = results[rank][0]
+    first = results[0][0]["after"][i]
+    agree = all(_close(r["after"][i], first) for r, _ in results)
+    of_grads = any("(gradient)" in e for e in res["events"][i])
+    of_params = any("(parameter)" in e for e in res["events"][i])
+    if agree and step % k and of_grads and not of_params:
+        every = all(any("(gradient)" in e for e in ev) for ev in res["events"])
+        when = "in every step" if every else f"in step {step}"
+        return (
+            f"{what}: rank {rank} all-reduced the gradients {when}, so every rank took "
+            "the same update and the models never drifted apart: that is synchronous "
+            f"SGD. Local SGD communicates only after steps {periods}, … (k = {k}), and "
+            "then averages the parameters"
+        )
+    if agree and step % k:
+        return (
+            f"{what}: after step {step} every rank holds the same model: rank {rank} "
+            f"averaged at step {step}. Local SGD lets each rank take k = {k} steps on its "
+            f"own batches, and averages after steps {periods}, … (steps count from 1)"
+        )
+    if step % k == 0 and not agree:
+        why = _why_apart(res, rank, i, k, periods)
+        return f"{what}: after step {step} the ranks' models differ: {why}"
+    return _wrong_update(what, res, rank, i, k)
+
+
+def _why_apart(res, rank: int, i: int, k: int, periods: str) -> str:
+    """Why the ranks' models differ after step ``i + 1``, which ends a period: what
+    ``rank`` averaged, and when."""
+    step = i + 1
+    before, after = _averaging(res["events"][i])
+    of_grads = any("(gradient)" in e for e in res["events"][i])
+    if of_grads:
+        why = (
+            f"rank {rank} averaged the gradients at step {step}: the ranks still "
+            "differ by everything the steps before did. Local SGD averages the "
+            "parameters (the models), after optimizer.step()"
+        )
+    elif before and not after:
+        why = (
+            f"rank {rank} averaged before its update of step {step}: optimizer.step() "
+            "then moved each rank by its own gradient, apart again. Average after "
+            "optimizer.step()"
+        )
+    elif not before and not after:
+        late = i + 1 < STEPS and _averaging(res["events"][i + 1])[0]
+        why = f"rank {rank} ran no AllReduce in step {step}" + (
+            f"; it averaged at the start of step {step + 1}, too late: the model "
+            f"after step {step} (an evaluation, a checkpoint, the end of training) "
+            f"is no average. Average at the end of step {step}, after "
+            "optimizer.step()"
+            if late
+            else f": with k = {k}, average after steps {periods}, …"
+        )
+    else:
+        why = (
+            f"rank {rank} communicated after its update of step {step}, but not the "
+            "parameters' mean into the model: average the parameters "
+            "(average_parameters(model))"
+        )
+    return why
+
+
+def _wrong_update(what: str, res, rank: int, i: int, k: int) -> str:
+    """The ✘ line for a step (index ``i``) whose update is not local SGD's: what it
+    looks like it did instead."""
+    step = i + 1
+    got, want = res["after"][i], res["want"][i]
+    j = worst_element((got - want).abs(), 0.0)
+    start = res["want"][i - 1] if i else _flat(_sgd_model())
+    scale = _scaled_update(got, want, start) if step % k else None
+    if _close(got, res["unzeroed"][i]):
+        hint = (
+            ": the gradients of earlier steps were added in — clear them every step "
+            "(optimizer.zero_grad())"
+        )
+    elif scale is not None and abs(scale - BATCH) < 1e-2 * BATCH:
+        hint = (
+            f": this step moved the parameters {BATCH}× as far as local SGD's, and "
+            f"the batch has {BATCH} targets — the loss summed the squared errors; use "
+            "their mean (torch.nn.functional.mse_loss's default reduction)"
+        )
+    elif scale is not None:
+        hint = (
+            f": this step moved the parameters {scale:.3g}× as far as local SGD's, in "
+            "the same direction: one step is the mean squared error of this rank's "
+            "batch, backward, and one optimizer.step()"
+        )
+    else:
+        hint = (
+            ": one step is the mean squared error of this rank's batch, backward, "
+            "and one optimizer.step()"
+        )
+    return (
+        f"{what}: after step {step}, rank {rank}'s parameters differ from local "
+        f"SGD's (element {j}: expected {want[j].item():.5f}, got {got[j].item():.5f})"
+        f"{hint}"
+    )
 
 
 def _add_local_sgd_wants(results, seeds: list[int], k: int) -> None:
