@@ -151,16 +151,26 @@ def _close(a, b) -> bool:
 
 
 def _flat_hint(got, rank, grads, given, k, numel, fraction, world, t) -> str:
-    """What the learner's ``flat`` on ``rank`` is, when it is not the average."""
+    """What the learner's ``flat`` on ``rank`` is, when it is not the average: how the
+    values were combined, which were chosen, or what arrived (the first that fits)."""
     corrected = [g + r for g, r in zip(grads, given, strict=True)]
     right = _averages(corrected, k)
+    picked = [_top(c, k) for c in corrected]
+    return (
+        _combined_hint(got, rank, grads, corrected, right, picked, k, world, t)
+        or _chosen_hint(got, grads, given, corrected, picked, k, numel, fraction, world, t)
+        or _arrived_hint(got, rank, grads, corrected, right, k, numel, world)
+    )
+
+
+def _combined_hint(got, rank, grads, corrected, right, picked, k, world, t) -> str:
+    """The right entries, combined wrongly (summed, their signs lost, added to flat)."""
     if world > 1 and _close(got, right * world):
         return (
             f" That is the sum over the {world} ranks, not the average: divide the "
             f"scattered values by the world size (ok.world_size()), as an AllReduce with "
             "op='avg' would."
         )
-    picked = [_top(c, k) for c in corrected]
     if _close(got, _mean_placed([c.abs() for c in corrected], picked)):
         return (
             " Those are the magnitudes of the chosen entries, their signs lost: choose the "
@@ -184,6 +194,11 @@ def _flat_hint(got, rank, grads, given, k, numel, fraction, world, t) -> str:
             )
     if _close(got, summed / k):
         return f" That is the sum divided by k = {k}: the average divides by N = {world}."
+    return ""
+
+
+def _chosen_hint(got, grads, given, corrected, picked, k, numel, fraction, world, t) -> str:
+    """The wrong entries chosen (the smallest, by value, too many, without the residual)."""
     smallest = [c.abs().topk(k, largest=False).indices for c in corrected]
     if _close(got, _mean_placed(corrected, smallest)):
         return (
@@ -235,6 +250,11 @@ def _flat_hint(got, rank, grads, given, k, numel, fraction, world, t) -> str:
                 " That adds the residual with the wrong sign (flat − residual): the residual "
                 "is what was left out, so it is added back, corrected = flat + residual."
             )
+    return ""
+
+
+def _arrived_hint(got, rank, grads, corrected, right, k, numel, world) -> str:
+    """What arrived in flat, when it is not the others' entries added at their places."""
     if not bool(got.any()):
         return (
             " flat is all zeros: the average was never written into it (add every rank's "
