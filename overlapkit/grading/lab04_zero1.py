@@ -158,36 +158,51 @@ def _update_hint(results, r: int, t: int, i: int, world: int) -> str:
             "before optimizer.step()."
         )
     if _close(owner["shard after"], want):  # the optimizer did its part: the gather did not
-        if torch.equal(mine["after"], mine["before"]) and results[r]["gathers"]:
-            return (
-                f" flat_params did not change on rank {r}, not even rank {r}'s own shard, which "
-                "its optimizer did update, though it called an AllGather: write the gathered "
-                "parameters into flat_params itself (ok.ring_all_gather(flat_params, "
-                "shard.detach()), or flat_params.copy_(…)); binding the name to a new tensor "
-                "does not change the caller's."
-            )
-        if torch.equal(got, before):
-            return (
-                " This part did not change at all: the updated shard never reached this "
-                "rank. All-gather every rank's shard into flat_params after optimizer.step()."
-            )
-        if _close(got, avg[part]) or _close(got, grads.sum(0)[part]):
-            return (
-                " That value is a gradient, not a parameter: flat_params holds the gathered "
-                "shard.grad. All-gather the updated parameters, shard.detach(), after "
-                "optimizer.step()."
-            )
-        for k in range(world):
-            if k != o and _close(got, results[k]["steps"][t]["shard after"]):
-                return (
-                    f" It is rank {k}'s updated shard, at rank {o}'s place: the AllGather "
-                    "concatenates the shards in rank order, rank r's at [r·n, (r+1)·n)."
-                )
-        return (
-            f" Rank {o}'s optimizer updated its shard right; what arrived here differs: "
-            "all-gather the updated shards (shard.detach()) into flat_params."
-        )
+        return _gather_hint(results, r, t, o, part, got, before, avg, world)
     # the optimizer's update went wrong: which gradient did it step on?
+    return _gradient_hint(results, r, t, o, part, avg, world)
+
+
+def _gather_hint(results, r: int, t: int, o: int, part: slice, got, before, avg, world: int) -> str:
+    """Why rank ``r``'s part from rank ``o`` is wrong when ``o``'s optimizer updated it right:
+    the AllGather went wrong."""
+    mine, grads = results[r]["steps"][t], results[o]["steps"][t]["grads"]
+    if torch.equal(mine["after"], mine["before"]) and results[r]["gathers"]:
+        return (
+            f" flat_params did not change on rank {r}, not even rank {r}'s own shard, which "
+            "its optimizer did update, though it called an AllGather: write the gathered "
+            "parameters into flat_params itself (ok.ring_all_gather(flat_params, "
+            "shard.detach()), or flat_params.copy_(…)); binding the name to a new tensor "
+            "does not change the caller's."
+        )
+    if torch.equal(got, before):
+        return (
+            " This part did not change at all: the updated shard never reached this "
+            "rank. All-gather every rank's shard into flat_params after optimizer.step()."
+        )
+    if _close(got, avg[part]) or _close(got, grads.sum(0)[part]):
+        return (
+            " That value is a gradient, not a parameter: flat_params holds the gathered "
+            "shard.grad. All-gather the updated parameters, shard.detach(), after "
+            "optimizer.step()."
+        )
+    for k in range(world):
+        if k != o and _close(got, results[k]["steps"][t]["shard after"]):
+            return (
+                f" It is rank {k}'s updated shard, at rank {o}'s place: the AllGather "
+                "concatenates the shards in rank order, rank r's at [r·n, (r+1)·n)."
+            )
+    return (
+        f" Rank {o}'s optimizer updated its shard right; what arrived here differs: "
+        "all-gather the updated shards (shard.detach()) into flat_params."
+    )
+
+
+def _gradient_hint(results, r: int, t: int, o: int, part: slice, avg, world: int) -> str:
+    """Why rank ``o``'s optimizer updated its shard wrong: the gradient it stepped on."""
+    n = results[0]["n"]
+    mine, owner = results[r]["steps"][t], results[o]["steps"][t]
+    grads = owner["grads"]
     used = (owner["shard before"] - owner["shard after"]) / LR - MOMENTUM * mine["buf"][part]
     right = avg[part]
     nonzero = right.abs() > 1e-6
