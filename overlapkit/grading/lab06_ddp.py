@@ -322,6 +322,12 @@ def _hint(results, step, rank, name, world, i, expect=None) -> str:
                 "gradients were not all-reduced (or a copy of them was), or their AllReduce "
                 "had not finished (no wait()) when they were read."
             )
+    return _factor_hint(g, right, world, i)
+
+
+def _factor_hint(g, right, world: int, i: int) -> str:
+    """What a gradient the ranks agree on is, as a factor of the average (element ``i`` is
+    the one that differs most)."""
     moved = right.abs() > 1e-6
     if not moved.any():
         return ""
