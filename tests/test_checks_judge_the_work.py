@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 import overlapkit as ok
+from overlapkit.grading.exercises import ANSWERS, answers_of
 from overlapkit.sandbox import answers, nofiles
 
 from .conftest import failed_with as _failed_with
@@ -229,9 +230,9 @@ def test_the_kits_bucket_assignment_fails_lab07(fn):
 
 
 def test_each_checks_answers_name_real_code_and_a_learner_cannot_stop_the_watch():
-    for check, names in answers.ANSWERS.items():
+    for check, names in ANSWERS.items():
         assert answers.code_objects(names), check
-    with answers.running(answers.of("check_fit_alpha_beta")) as ran:
+    with answers.running(answers_of("check_fit_alpha_beta")) as ran:
         import sys
 
         sys.setprofile(None)  # what a student who read this module might try
@@ -329,7 +330,7 @@ def test_the_right_sum_by_the_wrong_messages_fails_the_root_pattern(fn):
 def rebuilds_every_input_with_fixed_seeds(tensor):
     """Rebuild the check's inputs from guessed fixed seeds (1000·case + rank) and sum them,
     with no message at all: the seeds are drawn per run, so this fails."""
-    from overlapkit.grading.collectives import _sizes
+    from overlapkit.grading.lab03_collectives import _sizes
 
     me, world = ok.rank(), ok.world_size()
     salt = _sizes(world).index(tensor.numel())
@@ -346,7 +347,7 @@ def rebuilds_every_input_from_the_callers_frame(tensor):
     there, so all it can rebuild is its own input."""
     import inspect
 
-    from overlapkit.grading.collectives import _input, _sizes
+    from overlapkit.grading.lab03_collectives import _input, _sizes
 
     seeds = next(f.frame.f_locals["seeds"] for f in inspect.stack() if "seeds" in f.frame.f_locals)
     salt = _sizes(ok.world_size()).index(tensor.numel())
@@ -362,7 +363,7 @@ def test_no_rank_can_rebuild_the_other_ranks_inputs(fn):
 
 
 def average_by_rebuilding_every_model(model):
-    from overlapkit.grading.lab09 import _model
+    from overlapkit.grading.lab09_mean import _model
 
     world = ok.world_size()
     everyone = [list(_model(r, 100 + r).parameters()) for r in range(world)]
@@ -1391,13 +1392,13 @@ def test_a_thread_started_under_the_watch_is_no_tampering_and_stays_watched():
 
     from overlapkit.sandbox import answers
 
-    with answers.running(answers.of("check_bytes_moved")) as ran:
+    with answers.running(answers_of("check_bytes_moved")) as ran:
         t = threading.Thread(target=lambda: None)
         t.start()
         t.join()
     assert ran == []
     hook = threading._profile_hook
-    with answers.running(answers.of("check_bytes_moved")) as ran:
+    with answers.running(answers_of("check_bytes_moved")) as ran:
         threading._profile_hook = None
         try:
             t = threading.Thread(target=ok.costmodel.bytes_moved_per_rank,

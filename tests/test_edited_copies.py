@@ -155,9 +155,10 @@ def test_a_watchs_quick_instruction_count_is_the_one_copies_are_told_by():
     """The watch's prefilter counts an answer's instructions off the raw bytecode; the
     judging side counts them with dis. Where they differed, an answer long enough to be
     told would be left out of what a rank sends (or a short one let in)."""
+    from overlapkit.grading.exercises import ANSWERS
     from overlapkit.sandbox import answers
 
-    codes = answers.code_objects(sorted({n for names in answers.ANSWERS.values() for n in names}))
+    codes = answers.code_objects(sorted({n for names in ANSWERS.values() for n in names}))
     assert len(codes) > 500
     for code in codes:
         assert answers._token_count(code) == len(answers._tokens(code, {})), code

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import overlapkit as ok
-from overlapkit.grading.lab04 import MEMORY_CASES, memory_reference
+from overlapkit.grading.lab04_zero1 import MEMORY_CASES, memory_reference
 
 # ------------------------------------------------------------------ zero1_step: honest
 

@@ -474,7 +474,7 @@ def test_each_timeline_mistake_is_named(fn, verdict, words):
 EVERY_TIME_RUNS = soak_runs(3)
 
 
-@pytest.mark.parametrize("compute_s", [0.005, ok.grading.lab05.COMPUTE_S])
+@pytest.mark.parametrize("compute_s", [0.005, ok.grading.lab05_async.COMPUTE_S])
 @pytest.mark.parametrize(
     "fn", [comm_span_until_wait, comm_span_as_a_with_block], ids=lambda fn: fn.__name__
 )

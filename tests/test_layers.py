@@ -67,7 +67,7 @@ print("plain ranks:", ok.launch(loaded, world_size=2, quiet=True))
 ok.grading  # the checks, first used
 print("after use:", sorted(m for m in sys.modules if m == "overlapkit.grading"))
 values = ok.launch(loaded, world_size=2, quiet=True)
-print("checks' ranks:", ["overlapkit.sandbox.preload" in m for m in values])
+print("checks' ranks:", ["overlapkit.grading.preload" in m for m in values])
 """
 
 

@@ -29,19 +29,12 @@ import sys
 import tempfile
 import threading
 
+from ..grading.exercises import LIGHT
 from ..launcher import PRELOAD
 from ..sandbox.witness import NOTES
 from ..warmup import SKIP
 from .labs import Exercise
 from .processes import descendants, end_new_processes
-
-#: checks whose ranks run no torch optimizer: their judge's forkserver skips torch's
-#: warm-up (overlapkit.warmup: 2.5 s of a core per judge; a learner's function that does
-#: build one pays it on its rank)
-LIGHT = frozenset({"check_fit_alpha_beta", "check_bytes_moved", "check_memory_per_rank",
-                   "check_assign_buckets", "check_1f1b_schedule", "check_ping_pong",
-                   "check_all_reduce", "check_topk_with_feedback",
-                   "check_mesh_groups"})  # fmt: skip
 
 
 def judge_environment() -> dict[str, str]:

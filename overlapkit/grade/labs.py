@@ -46,7 +46,7 @@ from pathlib import Path
 
 import nbformat
 
-from ..grading import POINTS
+from ..grading.exercises import POINTS
 
 LABS = Path(__file__).resolve().parent.parent.parent / "labs"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import nbformat
 
-from ..grading import WITNESSED
+from ..grading.exercises import WITNESSED
 from .judge import run_check
 from .kernel import execute
 from .labs import LABS, Exercise, check_calls, check_cell_problem, exercises_of, identify

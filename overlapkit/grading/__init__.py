@@ -6,58 +6,30 @@ Use in a notebook right after an exercise::
 """
 
 from .. import launcher
-from .collectives import check_all_gather, check_all_reduce, check_reduce_scatter
-from .ddp import check_assign_buckets, check_bucketed_ddp, check_hook_ddp
-from .lab00 import check_fit_alpha_beta, check_ping_pong
-from .lab01 import check_bytes_moved
-from .lab04 import check_memory_per_rank, check_zero1_step
-from .lab05 import check_overlapped_step, check_timed_step
-from .lab09 import check_average_parameters
+from .exercises import POINTS, WITNESSED
+from .lab00_ping_pong import check_fit_alpha_beta, check_ping_pong
+from .lab01_patterns import check_bytes_moved
+from .lab03_collectives import check_all_gather, check_all_reduce, check_reduce_scatter
+from .lab04_zero1 import check_memory_per_rank, check_zero1_step
+from .lab05_async import check_overlapped_step, check_timed_step
+from .lab06_ddp import check_hook_ddp
+from .lab07_buckets import check_assign_buckets, check_bucketed_ddp
+from .lab09_local_sgd import check_average_parameters
 from .lab10 import check_tuning
-from .lab11 import check_ag_matmul, check_chunked_moe
+from .lab11_ag_matmul import check_ag_matmul
+from .lab11_moe import check_chunked_moe
 from .lab12 import check_fsdp_plan
-from .lab13 import check_topk_with_feedback
+from .lab13_compression import check_topk_with_feedback
 from .lab14 import check_hybrid_plan, check_mesh_groups
 from .pipeline import check_1f1b_schedule, check_gpipe_step
 from .report import Report
 
 # every rank forked from now on has what the checks' watch works out at import
-launcher.preload("overlapkit.sandbox.preload")
-
-#: the checks that ask what the notebook measured, and the module whose ``MEASURES`` the
-#: grader's witness takes those measurements with (``overlapkit.sandbox.witness``)
-WITNESSED = {"check_tuning": "overlapkit.grading.lab10"}
-
-#: points per exercise (the check's name), the one place ``python -m overlapkit.grade``
-#: reads them from; an exercise earns them times the share of its check's cases passed
-POINTS = {
-    "check_ping_pong": 2,
-    "check_fit_alpha_beta": 2,
-    "check_bytes_moved": 2,
-    "check_all_reduce": 4,
-    "check_reduce_scatter": 3,
-    "check_all_gather": 3,
-    "check_zero1_step": 4,
-    "check_memory_per_rank": 2,
-    "check_overlapped_step": 3,
-    "check_timed_step": 2,
-    "check_hook_ddp": 5,
-    "check_assign_buckets": 3,
-    "check_bucketed_ddp": 5,
-    "check_1f1b_schedule": 3,
-    "check_gpipe_step": 5,
-    "check_average_parameters": 3,
-    "check_tuning": 4,
-    "check_ag_matmul": 4,
-    "check_chunked_moe": 5,
-    "check_fsdp_plan": 5,
-    "check_topk_with_feedback": 5,
-    "check_mesh_groups": 2,
-    "check_hybrid_plan": 5,
-}
+launcher.preload("overlapkit.grading.preload")
 
 __all__ = [
     "POINTS",
+    "WITNESSED",
     "Report",
     "check_ping_pong",
     "check_fit_alpha_beta",

@@ -14,6 +14,7 @@ from .. import handles
 from ..launcher import LaunchError, LaunchTimeoutError
 from ..sandbox import answers
 from ..sandbox.sealed import recorded_calls
+from .mistakes import WAIT_FOR_EVERY_ONE, never_waited, not_over_the_link
 from .report import Report
 from .traffic import group_ops, run_recorded
 
@@ -157,7 +158,7 @@ class Unfinished(Exception):
 def call_or_report(report: Report, what: str, fn, *args, forbid=None):
     """Call a learner's single-process function; a crash becomes one ✘ line (and None),
     an unfinished exercise raises :class:`Unfinished` after its ✘ line (stop checking).
-    ``forbid``: the kit's own answers (dotted names, ``answers.ANSWERS``); the call fails
+    ``forbid``: the kit's own answers (dotted names, ``exercises.ANSWERS``); the call fails
     (and checking stops) when their code runs during the learner's call, under whatever
     name it was reached."""
     ran: list[str] = []
@@ -223,15 +224,10 @@ def refused_rank(report: Report, what: str, rank: int, res: dict, traffic, advic
     instead) or left an operation unwaited; True when it was refused."""
     direct = sorted(set(traffic.direct) | set(res.get("builtin", ())))
     if direct:
-        report.fail(f"{what}: rank {rank} called {', '.join(direct)}: {advice} (only the kit's "
-                    "messages travel over the emulated link)")  # fmt: skip
+        report.fail(f"{what}: " + not_over_the_link(rank, ", ".join(direct), advice))
         return True
     if res.get("unwaited"):
-        report.fail(
-            f"{what}: rank {rank} never waited for {len(res['unwaited'])} operation(s), "
-            f"e.g. {res['unwaited'][0]}: wait for every one before using what it delivers "
-            "(and before returning)"
-        )
+        report.fail(never_waited(what, rank, res["unwaited"], WAIT_FOR_EVERY_ONE))
         return True
     return False
 

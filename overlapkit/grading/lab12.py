@@ -41,6 +41,7 @@ from ..plans import FSDP, Finish, PlanSyntaxError, Problem, UnitAction
 from ..sandbox import answers
 from ..sandbox.sealed import seal
 from .common import Unfinished, call_or_report, judge_against_one_process
+from .exercises import answers_of
 from .report import Report
 
 CASES = [(4, 0), (4, 1), (5, 2), (1, 0), (2, 3)]
@@ -56,7 +57,7 @@ def check_fsdp_plan(fsdp_plan) -> Report:
     cases = [*CASES, *rng.sample(DRAWN, 2)]
     quiet = Report(report.exercise, file=io.StringIO())
     plans = []
-    with answers.running(answers.of("check_fsdp_plan")) as ran:
+    with answers.running(answers_of("check_fsdp_plan")) as ran:
         for n, p in cases:
             what = f"{n} unit{'s' if n > 1 else ''}, prefetch {p}"
             try:

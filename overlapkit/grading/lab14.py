@@ -40,6 +40,7 @@ from ..plans import HYBRID, Action, Flush, PlanSyntaxError, Problem, Reduce
 from ..sandbox import answers
 from ..sandbox.sealed import seal
 from .common import Unfinished, call_or_report, judge_against_one_process
+from .exercises import answers_of
 from .report import Report
 
 MESHES = [(2, 2), (1, 4), (4, 1), (2, 3)]
@@ -75,7 +76,7 @@ def check_mesh_groups(mesh_groups, timeout: float = 30.0) -> Report:
     quiet = Report(report.exercise, file=io.StringIO())
     mesh_groups = _with_timeout(seal(mesh_groups), timeout)
     shapes = [*MESHES, *random.SystemRandom().sample(DRAWN_MESHES, 2)]
-    with answers.running(answers.of("check_mesh_groups")) as ran:
+    with answers.running(answers_of("check_mesh_groups")) as ran:
         got = []
         for dp, pp in shapes:
             try:
@@ -182,7 +183,7 @@ def check_hybrid_plan(hybrid_plan, timeout: float = 30.0) -> Report:
     cases = [*PLANS, *random.SystemRandom().sample(DRAWN_PLANS, 2)]
     quiet = Report(report.exercise, file=io.StringIO())
     got = []
-    with answers.running(answers.of("check_hybrid_plan")) as ran:
+    with answers.running(answers_of("check_hybrid_plan")) as ran:
         for p, m, schedule, b in cases:
             for s in range(p):
                 acts = stage_actions(p, m, schedule, s)

@@ -14,8 +14,9 @@ from ..pipeline import make_schedule
 from ..plans import PIPELINE, PlanSyntaxError
 from ..sandbox import answers
 from ..sandbox.sealed import seal
-from .collectives import CHECK_LINK
 from .common import Unfinished, call_or_report, run_or_report
+from .exercises import answers_of
+from .lab03_collectives import CHECK_LINK
 from .report import Report
 
 SCHEDULE_CASES = [(2, 4), (2, 1), (3, 4), (4, 6), (4, 2), (2, 7)]
@@ -34,7 +35,7 @@ def check_1f1b_schedule(one_f_one_b) -> Report:
     one_f_one_b = seal(one_f_one_b)  # called on a rank of its own, out of our reach
     # the cases are called quietly first: lists the kit's own code made earn nothing
     quiet = Report(report.exercise, file=io.StringIO())
-    with answers.running(answers.of("check_1f1b_schedule")) as ran:
+    with answers.running(answers_of("check_1f1b_schedule")) as ran:
         plans = _plans(quiet, one_f_one_b)
     if ran:
         report.fail(f"your function {answers.said(ran)}")
@@ -307,7 +308,7 @@ def check_gpipe_step(gpipe_step, micro_batches: int = 4, timeout: float = 30.0) 
         results = run_or_report(report, f"gpipe_step with {m} micro-batch(es) on 2 ranks",
                                 _run_step, gpipe_step, m, world_size=2, timeout=timeout,
                                 link=CHECK_LINK, explain=_explain,
-                                forbid=answers.of("check_gpipe_step"),
+                                forbid=answers_of("check_gpipe_step"),
                                 rank_kwargs=[{"seed": seed} for seed in seeds])  # fmt: skip
         if results is None:
             return report

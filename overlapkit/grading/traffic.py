@@ -343,7 +343,7 @@ hide_frames_from(__file__)
 def run_recorded(fn, *args, world_size: int, timeout: float, link=None, forbid=(),
                  rank_kwargs=None, payloads: bool = False, **kwargs):  # fmt: skip
     """``ok.launch`` ``fn`` with traffic recording; returns [(value, Traffic)] by rank.
-    ``forbid``: the kit's answers (``answers.ANSWERS``) whose code must not run meanwhile:
+    ``forbid``: the kit's answers (``exercises.ANSWERS``) whose code must not run meanwhile:
     if it does, the rank raises :class:`answers.AnswerRan`. ``rank_kwargs``: per rank, more
     keyword arguments of ``fn`` that only that rank gets (``ok.launch``'s). ``payloads``: keep
     a copy of each sent message (:attr:`Traffic.payloads`).

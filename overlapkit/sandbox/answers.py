@@ -22,9 +22,10 @@ ones (lab 07's greedy bucket loop, a byte count, a memory formula, lab 09's aver
 written the same way by everyone, our own solutions included, and a copy of those is
 not told from the work.
 
-Each check's answers are listed once, in :data:`ANSWERS`, by dotted name under
-``overlapkit``: a module (every function and class defined in it), a class (its methods,
-properties, static and class methods), or a function; "!name" leaves one out.
+A check names the answers to watch (the checks list them once, with their exercises), by
+dotted name under ``overlapkit``: a module (every function and class defined in it), a
+class (its methods, properties, static and class methods), or a function; "!name" leaves
+one out.
 
 The watch also notes two things an exercise never needs: the learner's code changing the
 profiler (``sys.setprofile``, ``threading.setprofile``), and calling an operation of a
@@ -55,8 +56,8 @@ Each part has a module of its own: :mod:`.codes` (an answer's name to its code o
 :mod:`.copies` (a copy told from the work), :mod:`.origins` (whose code a frame runs),
 :mod:`.disarm` (the answers refusing to run), :mod:`.watch` (the watch itself),
 :mod:`.sightings` (what a rank's watch sends out, and how the check reads it) and
-:mod:`.told` (what a learner is told). This module lists each check's answers and keeps
-every name the checks and tests use from here.
+:mod:`.told` (what a learner is told). This module keeps every name the checks and tests
+use from here; which answers each check forbids, the checks say (``grading.exercises``).
 """
 
 from __future__ import annotations
@@ -69,60 +70,3 @@ from .origins import _trusted, library  # noqa: F401
 from .sightings import code_made_meanwhile, seen_by_watches  # noqa: F401
 from .told import CUT, CUT_OFF, GROUP, RECORD, TAMPERED, AnswerRan, cut_off, said  # noqa: F401
 from .watch import _raw_threads_watched, between_blocks, hide, running  # noqa: F401
-
-#: per check: the kit's code that answers its exercise. A module stands for all it defines.
-#: "from_scratch" is every collective a from-scratch exercise (labs 02, 03) must build itself.
-ANSWERS: dict[str, tuple[str, ...]] = {
-    "check_ping_pong": ("pingpong",),
-    "check_fit_alpha_beta": ("costmodel.fit_alpha_beta",),
-    # the whole cost model: its time models with α = 0, β = 1 are byte counts (the ring's,
-    # halving-doubling's…), and its bus-bandwidth factors (BUSBW_FACTOR) are the answer
-    "check_bytes_moved": ("costmodel",),
-    # the whole module: its private helpers (_naive, _ring_reduce_scatter_flat, …) hold the
-    # algorithms; chunk_bounds is the lab's own advice. And every ring of the kit's built of
-    # messages: lab 11's decomposed matmuls with a 1×1 weight of ones are a ring AllGather
-    # and ReduceScatter. With them the issue order they run through (ordering: numbering,
-    # announcements, the communication worker), which no ring built of messages needs; its
-    # counts (issued, worker_code) are read by the checks themselves and move no data
-    "from_scratch": ("collectives", "!collectives.chunk_bounds", "ordering",
-                     "!ordering.Issued", "!ordering.issued", "!ordering.worker_code",
-                     "moe.AllToAll",
-                     "training.builtin_all_reduce", "tensor_parallel"),
-    # lab 01: an AllReduce built from a ReduceScatter and an AllGather (the kit's allowed),
-    # never by the kit's whole AllReduce under another name (ok.ddp.ring_all_reduce)
-    "made_of": ("collectives.ring_all_reduce", "collectives.naive_all_reduce",
-                "collectives._naive", "collectives.bucketed_all_reduce",
-                "training.builtin_all_reduce"),
-    "check_zero1_step": ("sharded.ShardedOptimizer",),
-    "check_memory_per_rank": ("grading.lab04.memory_reference", "sharded.ShardedOptimizer"),
-    "check_overlapped_step": ("ddp._DataParallel", "ddp.NaiveDDP", "ddp.OverlapDDP",
-                              "ddp.BucketedDDP", "ddp.ddp_comm_hook", "training.train"),
-    "check_hook_ddp": ("ddp._DataParallel", "ddp.NaiveDDP", "ddp.OverlapDDP", "ddp.BucketedDDP",
-                       "ddp.ddp_comm_hook"),
-    "check_assign_buckets": ("costmodel.ddp_buckets",),
-    "check_bucketed_ddp": ("ddp._DataParallel", "ddp.NaiveDDP", "ddp.OverlapDDP",
-                           "ddp.BucketedDDP", "ddp.ddp_comm_hook", "costmodel.ddp_buckets"),
-    "check_1f1b_schedule": ("pipeline.make_schedule",),
-    # the cost model's simulated step lists each unit's gathers and compute in order, and the
-    # wrapper's hooks take the same steps (a logged step of it is a plan)
-    "check_fsdp_plan": ("costmodel.fsdp_step", "grading.lab12", "fsdp", "fsdp_plan",
-                        "fsdp_units"),
-    # lab 14: the kit's mesh and plans, and the check's own expected values
-    "check_mesh_groups": ("hybrid.make_mesh", "grading.lab14.expected_groups"),
-    "check_hybrid_plan": ("hybrid.plan_for", "hybrid.HybridStage", "grading.lab14.judge_plan"),
-    "check_gpipe_step": ("pipeline",),
-    "check_average_parameters": ("training._average_parameters", "training._averaged",
-                                 "training.train"),
-    "check_ag_matmul": ("tensor_parallel",),
-    "check_chunked_moe": ("moe.MoELayer", "moe.reference_moe"),
-    # lab 13: the kit's compressors (TopK is the answer) and the check's own references
-    # (not its runner, which calls the learner's function)
-    "check_topk_with_feedback": ("compression", "grading.lab13", "!grading.lab13._run",
-                                 "!grading.lab13._gradients", "!grading.lab13._describe",
-                                 "!grading.lab13._same_storage"),
-}  # fmt: skip
-
-
-def of(check: str) -> tuple[str, ...]:
-    """The answers a check forbids (by its function's name)."""
-    return ANSWERS[check]

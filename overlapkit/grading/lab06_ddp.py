@@ -1,4 +1,5 @@
-"""Checks for labs 06 and 07: a hook-driven data-parallel wrapper, and a bucketer.
+"""Check for lab 06, and what lab 07's bucketed wrapper is checked with: a hook-driven
+data-parallel wrapper.
 
 A wrapper is checked by training with it: 5 SGD steps (with momentum) on 3
 ranks (so that a hard-coded 2 shows), each on its own slice of the batch,
@@ -16,11 +17,10 @@ import secrets
 import torch
 
 from .. import handles
-from ..costmodel import ddp_buckets
-from ..sandbox import answers
-from ..sandbox.sealed import seal
-from .collectives import CHECK_LINK
-from .common import Unfinished, call_or_report, run_or_report, worst_element
+from .cases import Case, run_cases
+from .common import worst_element
+from .lab03_collectives import CHECK_LINK
+from .mistakes import bypasses_the_link
 from .report import Report
 from .traffic import shown
 
@@ -94,22 +94,24 @@ def _reference(data, world: int) -> list[tuple[dict, dict]]:
     return out
 
 
-def _run(report: Report, what: str, wrapper_cls, make_args, world: int, timeout: float,
-         forbid) -> list | None:  # fmt: skip
+def _run(report: Report, check: str, what: str, wrapper_cls, make_args, world: int,
+         timeout: float) -> list | None:  # fmt: skip
     """Train with the learner's wrapper on ``world`` ranks, each on its own secret slices;
     each rank's trace completed with the reference's (weights, gradients) per step."""
     data = _data(world, secrets.randbits(62))
-    private = [_slices(data, r) for r in range(world)]
-    results = run_or_report(report, what, _train, wrapper_cls, make_args, world_size=world,
-                            timeout=timeout, link=CHECK_LINK, explain=_explain_race,
-                            forbid=forbid, rank_kwargs=private)  # fmt: skip
-    if results is not None:
+
+    def references(results) -> bool:  # the verdict comes after, in cases of its own
         refs = _reference(data, world)
         for res, _ in results:
             res["trace"] = [(got, want, right, grads)
                             for (got, grads), (want, right) in zip(res["trace"], refs,
                                                                    strict=False)]  # fmt: skip
-    return results
+        return True
+
+    private = [_slices(data, r) for r in range(world)]
+    case = Case(what, world, _train, (wrapper_cls, make_args), references, private)
+    return run_cases(report, check, [case], timeout=timeout, link=CHECK_LINK,
+                     explain=_explain_race)  # fmt: skip
 
 
 def _kit_ops_issued() -> int:
@@ -197,12 +199,10 @@ def _builtins(results) -> str | None:
     for rank, (_, traffic) in enumerate(results):
         called = sorted({c for c in traffic.collectives if not c.startswith("ok.")} - {"broadcast"})
         if called:
-            return (
-                f"rank {rank} called {', '.join(map(shown, called))}: use "
-                "ok.ring_all_reduce(..., async_op=True). The built-in's bytes bypass the emulated "
-                "link, so the overlap you will measure would not be there (and this check cannot "
-                "see when your AllReduces ran)"
-            )
+            so = (", so the overlap you will measure would not be there (and this check "
+                  "cannot see when your AllReduces ran)")  # fmt: skip
+            return bypasses_the_link(rank, ", ".join(map(shown, called)),
+                                     "ok.ring_all_reduce(..., async_op=True)", so)  # fmt: skip
     return None
 
 
@@ -322,6 +322,12 @@ def _hint(results, step, rank, name, world, i, expect=None) -> str:
                 "gradients were not all-reduced (or a copy of them was), or their AllReduce "
                 "had not finished (no wait()) when they were read."
             )
+    return _factor_hint(g, right, world, i)
+
+
+def _factor_hint(g, right, world: int, i: int) -> str:
+    """What a gradient the ranks agree on is, as a factor of the average (element ``i`` is
+    the one that differs most)."""
     moved = right.abs() > 1e-6
     if not moved.any():
         return ""
@@ -464,15 +470,8 @@ def check_hook_ddp(wrapper_cls, world_size: int = WORLD, timeout: float = TIMEOU
     them in ``finish_gradient_synchronization()``.
     """
     report = Report("hook_ddp")
-    results = _run(
-        report,
-        f"{wrapper_cls.__name__} on {world_size} ranks",
-        wrapper_cls,
-        (),
-        world_size,
-        timeout,
-        answers.of("check_hook_ddp"),
-    )
+    what = f"{wrapper_cls.__name__} on {world_size} ranks"
+    results = _run(report, "check_hook_ddp", what, wrapper_cls, (), world_size, timeout)
     if results is None:
         _loop_hint(report)
         return report
@@ -516,163 +515,3 @@ def _loop_hint(report: Report) -> None:
                 "whose condition never changes there (a while loop that does not advance "
                 "self.next?)"
             )
-
-
-# --------------------------------------------------------------------------- lab 07: buckets
-
-BUCKET_CASES = [
-    ("four 1 MiB gradients, 2 MiB buckets", [2**20] * 4, 2),
-    ("a gradient larger than a bucket", [100, 3 * 2**20, 100, 100], 1),
-    ("buckets smaller than every gradient", [4096, 4096, 4096], 0.001),
-    ("one bucket for everything (bucket_mb=None), 60 MiB", [20 * 2**20] * 3, None),
-    ("an exact fit, then one more byte", [2**19, 2**19, 1], 1),
-    ("uneven sizes", [300_000, 500_000, 200_000, 900_000, 100_000, 50_000], 1),
-    ("1 020 000 bytes in a 1 MiB bucket", [600_000, 420_000, 100_000], 1),
-]
-
-
-def _size(n: int) -> str:
-    """Bytes in binary units, as the lab counts them (1 MiB = 2**20 bytes)."""
-    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.4g} {unit}"
-    return f"{n} B"
-
-
-def check_assign_buckets(assign_buckets) -> Report:
-    """Check ``assign_buckets(sizes, bucket_mb) -> list[list[int]]`` (lab 07).
-
-    ``sizes``: each gradient's bytes, in the order they become ready; a bucket holds
-    consecutive gradients, at most ``bucket_mb`` MiB; a gradient larger than a bucket
-    gets one of its own; ``None`` means one bucket.
-    """
-    report = Report("assign_buckets")
-    assign_buckets = seal(assign_buckets)  # called on a rank of its own, out of our reach
-    for what, sizes, mb in BUCKET_CASES:
-        try:
-            ran, got = call_or_report(report, what, assign_buckets, list(sizes), mb,
-                                      forbid=answers.of("check_assign_buckets"))  # fmt: skip
-        except Unfinished:
-            return report
-        if not ran:
-            continue
-        want = ddp_buckets(sizes, mb)  # after the call: nothing on its stack holds the answer
-        if isinstance(got, tuple):
-            got = list(got)
-        if isinstance(got, list) and all(isinstance(b, (list, tuple)) for b in got):
-            got = [list(b) for b in got]
-        if got == want:
-            report.ok(f"{what}: {_show(want, sizes)}")
-        else:
-            hint = _bucket_hint(got, want, sizes, mb)
-            report.fail(f"{what}, bucket_mb={mb}: got {got!r}; expected {want}.{hint}")
-    return report
-
-
-def _show(buckets, sizes) -> str:
-    return " | ".join(f"{b} ({_size(sum(sizes[i] for i in b))})" for b in buckets)
-
-
-def _strict(sizes, mb):
-    """The buckets of a bucketer that closes a bucket when its total *reaches* the limit:
-    for whole bytes, total < limit is total ≤ limit − 1."""
-    return ddp_buckets(sizes, (mb * 2**20 - 1) / 2**20)
-
-
-def _bucket_hint(got, want, sizes, mb) -> str:
-    if not isinstance(got, list) or not all(isinstance(b, list) for b in got):
-        return (
-            f" Return a list of buckets, each a list of gradient indices (got a "
-            f"{type(got).__name__}"
-            + (
-                f" whose items are {type(got[0]).__name__}s"
-                if isinstance(got, list) and got
-                else ""
-            )
-            + ")."
-        )
-    if any(not b for b in got):
-        k = next(k for k, b in enumerate(got) if not b)
-        first = (
-            " (it was closed at the very first gradient, before anything went in)" if k == 0 else ""
-        )
-        return (
-            f" Bucket {k} is empty{first}: close the current bucket only when it holds "
-            "something — a gradient larger than the limit then starts a bucket of its own."
-        )
-    flat = [i for b in got for i in b]
-    if sorted(flat) != list(range(len(sizes))):
-        return " Every gradient index must be in exactly one bucket."
-    if flat != list(range(len(sizes))):
-        return (
-            " Buckets hold consecutive gradients in the order given (the order they become "
-            "ready), so that a bucket fills while backward runs."
-        )
-    if mb is None:
-        return " bucket_mb=None means no limit: one bucket holds every gradient."
-    decimal = got in (ddp_buckets(sizes, mb * 10**6 / 2**20),
-                      ddp_buckets(sizes, mb * 1000 * 1024 / 2**20))  # fmt: skip
-    strict = got == _strict(sizes, mb)
-    units = f"buckets of {mb} × 10**6 bytes? bucket_mb counts MiB, 1 MiB = 2**20 = 1048576 bytes"
-    less = (
-        "a gradient still joins the current bucket when the total then equals the limit "
-        "exactly (≤, not <)"
-    )
-    if decimal and strict:
-        return f" Two mistakes give these buckets: {units}; or {less}."
-    if decimal:
-        return f" Are these {units}."
-    if strict:
-        return f" You close a bucket when its total reaches the limit: {less}."
-    limit = mb * 2**20
-    for b in got:
-        total = sum(sizes[i] for i in b)
-        if total > limit and len(b) > 1:
-            return (
-                f" Bucket {b} holds {total} bytes, more than bucket_mb = {mb} MiB = "
-                f"{int(limit)} bytes (1 MiB = 2**20 bytes)."
-            )
-    return ""
-
-
-#: lab 07's check: buckets of 400 bytes cut the test model's 8 gradients into 6, one of
-#: them an exact fit, and one full before an earlier one
-CHECK_BUCKET_MB = 400 / 2**20
-
-
-def check_bucketed_ddp(wrapper_cls, bucket_mb: float = CHECK_BUCKET_MB, world_size: int = WORLD,
-                       timeout: float = TIMEOUT_S) -> Report:  # fmt: skip
-    """Check a bucketed wrapper ``wrapper_cls(module, bucket_mb)`` (lab 07): its buckets,
-    the weights of 5 steps against one process, one async AllReduce per bucket launched
-    during backward in bucket order, every handle waited."""
-    report = Report("bucketed_ddp")
-    order = list(reversed([p for p in _net().parameters() if p.requires_grad]))
-    want = ddp_buckets([p.numel() * p.element_size() for p in order], bucket_mb)
-    expect = [sum(order[i].numel() for i in b) for b in want]
-    results = _run(
-        report,
-        f"{wrapper_cls.__name__}(bucket_mb={bucket_mb:.3g}) on {world_size} ranks",
-        wrapper_cls,
-        (bucket_mb,),
-        world_size,
-        timeout,
-        answers.of("check_bucketed_ddp"),
-    )
-    if results is None:
-        _loop_hint(report)
-        return report
-    got = results[0][0]["buckets"]
-    if got is not None and got != want:
-        report.fail(
-            f"self.buckets is {got}; with buckets of {_size(round(bucket_mb * 2**20))} the "
-            f"gradients (in reverse parameter order) make {want}: check assign_buckets first "
-            "(ok.grading.check_assign_buckets)"
-        )
-    builtin = _builtins(results)
-    if builtin:
-        report.fail(builtin)
-    if _compare(report, results, world_size, expect) and not builtin:
-        _check_communication(report, results, expect=expect)
-    elif not builtin:
-        _report_unwaited(report, results)
-    return report

@@ -10,7 +10,9 @@ from ..costmodel import fit_alpha_beta as reference_fit
 from ..pingpong import ping_pong as reference_ping_pong
 from ..sandbox import answers
 from ..sandbox.sealed import seal
+from .cases import Case, run_cases
 from .common import human_bytes, human_seconds, plain_number, run_or_report
+from .exercises import answers_of
 from .report import Report
 
 #: a reported one-way time passes when it is within this factor of a one-way statistic
@@ -47,7 +49,7 @@ def _interleaved(student_fn, nbytes, iters, rounds):
     student, kit = [], []
     for _ in range(rounds):
         # the learner's call under the watch (the kit's answers refuse to run), the kit's not
-        with answers.running(answers.of("check_ping_pong")) as ran:
+        with answers.running(answers_of("check_ping_pong")) as ran:
             student.append(student_fn(nbytes, iters))
         if ran:
             raise answers.AnswerRan.on(ok.rank(), ran)
@@ -154,32 +156,29 @@ def check_ping_pong(ping_pong, timeout: float = 10.0) -> Report:
     """
     report = Report("ping_pong")
     iters = 8
-    for nbytes in (8, 1 << 20):
-        results = run_or_report(
-            report,
-            f"ping_pong({nbytes}, {iters})",
-            ping_pong,
-            nbytes,
-            iters,
-            world_size=2,
-            timeout=timeout,
-            # the kit's ping-pong, whatever its name (not in the timed calls below: a
-            # watch slows each Python call a little)
-            forbid=answers.of("check_ping_pong"),
-        )
-        if results is None:
-            return report
-        (value, t0), (_, t1) = results
-        size = human_bytes(nbytes)
-        messages_right = _check_messages(report, size, nbytes, iters, t0, t1)
-        if not _check_value(report, size, value) or not messages_right:
-            return report  # the timing would only echo what is wrong above
+    cases = [_case(report, ping_pong, nbytes, iters) for nbytes in (8, 1 << 20)]
+    # the kit's ping-pong, whatever its name, refuses to run (not in the timed calls
+    # below: a watch slows each Python call a little)
+    if run_cases(report, "check_ping_pong", cases, timeout=timeout) is None:
+        return report  # the timing would only echo what is wrong above
 
     # One-way, not round trip: compare with the kit, interleaved, at a size where
     # bandwidth dominates; per-round ratios, medians, and a second attempt only when
     # the first lands between the band and the next mistake.
     _check_timing(report, ping_pong, timeout)
     return report
+
+
+def _case(report: Report, ping_pong, nbytes: int, iters: int) -> Case:
+    """(1) the messages and (2) the value, at ``nbytes``."""
+
+    def judge(results) -> bool:
+        (value, t0), (_, t1) = results
+        size = human_bytes(nbytes)
+        messages_right = _check_messages(report, size, nbytes, iters, t0, t1)
+        return _check_value(report, size, value) and messages_right
+
+    return Case(f"ping_pong({nbytes}, {iters})", 2, ping_pong, (nbytes, iters), judge)
 
 
 def _check_timing(report: Report, ping_pong, timeout: float) -> None:
@@ -189,7 +188,7 @@ def _check_timing(report: Report, ping_pong, timeout: float) -> None:
     for _ in range(TIMING_CALLS_MAX):
         results = run_or_report(report, f"ping_pong({nbytes}, {iters})", ping_pong, nbytes,
                                 iters, world_size=2, timeout=max(timeout, 30.0),
-                                forbid=answers.of("check_ping_pong"))  # fmt: skip
+                                forbid=answers_of("check_ping_pong"))  # fmt: skip
         if results is None:
             return
         value, traffic = results[0]
@@ -324,7 +323,7 @@ def check_fit_alpha_beta(fit_alpha_beta) -> Report:
     cases = [("measurements on the line", exact, 0.01), ("noisy measurements (±15%)", noisy, 0.35)]
     for label, times, tol in cases:
         try:
-            with answers.running(answers.of("check_fit_alpha_beta")) as ran:
+            with answers.running(answers_of("check_fit_alpha_beta")) as ran:
                 got = fit_alpha_beta(list(sizes), list(times))
         except NotImplementedError:
             report.fail(

@@ -11,7 +11,6 @@ itself gathered, a NaN read before a wait, a shard without ``.grad``.
 from __future__ import annotations
 
 import math
-import secrets
 from collections import Counter
 
 import torch
@@ -20,7 +19,10 @@ from .. import handles
 from ..sandbox import answers
 from ..sandbox.sealed import seal
 from ..sharded import flatten_padded, unflatten_into
-from .common import plain_number, refused_rank, run_or_report, worst_element
+from .cases import Case, private_seeds, run_cases, seeded
+from .common import plain_number, refused_rank, worst_element
+from .exercises import answers_of
+from .mistakes import WAIT_BEFORE_READING, never_waited
 from .report import Report
 from .traffic import shown
 
@@ -156,36 +158,51 @@ def _update_hint(results, r: int, t: int, i: int, world: int) -> str:
             "before optimizer.step()."
         )
     if _close(owner["shard after"], want):  # the optimizer did its part: the gather did not
-        if torch.equal(mine["after"], mine["before"]) and results[r]["gathers"]:
-            return (
-                f" flat_params did not change on rank {r}, not even rank {r}'s own shard, which "
-                "its optimizer did update, though it called an AllGather: write the gathered "
-                "parameters into flat_params itself (ok.ring_all_gather(flat_params, "
-                "shard.detach()), or flat_params.copy_(…)); binding the name to a new tensor "
-                "does not change the caller's."
-            )
-        if torch.equal(got, before):
-            return (
-                " This part did not change at all: the updated shard never reached this "
-                "rank. All-gather every rank's shard into flat_params after optimizer.step()."
-            )
-        if _close(got, avg[part]) or _close(got, grads.sum(0)[part]):
-            return (
-                " That value is a gradient, not a parameter: flat_params holds the gathered "
-                "shard.grad. All-gather the updated parameters, shard.detach(), after "
-                "optimizer.step()."
-            )
-        for k in range(world):
-            if k != o and _close(got, results[k]["steps"][t]["shard after"]):
-                return (
-                    f" It is rank {k}'s updated shard, at rank {o}'s place: the AllGather "
-                    "concatenates the shards in rank order, rank r's at [r·n, (r+1)·n)."
-                )
-        return (
-            f" Rank {o}'s optimizer updated its shard right; what arrived here differs: "
-            "all-gather the updated shards (shard.detach()) into flat_params."
-        )
+        return _gather_hint(results, r, t, o, part, got, before, avg, world)
     # the optimizer's update went wrong: which gradient did it step on?
+    return _gradient_hint(results, r, t, o, part, avg, world)
+
+
+def _gather_hint(results, r: int, t: int, o: int, part: slice, got, before, avg, world: int) -> str:
+    """Why rank ``r``'s part from rank ``o`` is wrong when ``o``'s optimizer updated it right:
+    the AllGather went wrong."""
+    mine, grads = results[r]["steps"][t], results[o]["steps"][t]["grads"]
+    if torch.equal(mine["after"], mine["before"]) and results[r]["gathers"]:
+        return (
+            f" flat_params did not change on rank {r}, not even rank {r}'s own shard, which "
+            "its optimizer did update, though it called an AllGather: write the gathered "
+            "parameters into flat_params itself (ok.ring_all_gather(flat_params, "
+            "shard.detach()), or flat_params.copy_(…)); binding the name to a new tensor "
+            "does not change the caller's."
+        )
+    if torch.equal(got, before):
+        return (
+            " This part did not change at all: the updated shard never reached this "
+            "rank. All-gather every rank's shard into flat_params after optimizer.step()."
+        )
+    if _close(got, avg[part]) or _close(got, grads.sum(0)[part]):
+        return (
+            " That value is a gradient, not a parameter: flat_params holds the gathered "
+            "shard.grad. All-gather the updated parameters, shard.detach(), after "
+            "optimizer.step()."
+        )
+    for k in range(world):
+        if k != o and _close(got, results[k]["steps"][t]["shard after"]):
+            return (
+                f" It is rank {k}'s updated shard, at rank {o}'s place: the AllGather "
+                "concatenates the shards in rank order, rank r's at [r·n, (r+1)·n)."
+            )
+    return (
+        f" Rank {o}'s optimizer updated its shard right; what arrived here differs: "
+        "all-gather the updated shards (shard.detach()) into flat_params."
+    )
+
+
+def _gradient_hint(results, r: int, t: int, o: int, part: slice, avg, world: int) -> str:
+    """Why rank ``o``'s optimizer updated its shard wrong: the gradient it stepped on."""
+    n = results[0]["n"]
+    mine, owner = results[r]["steps"][t], results[o]["steps"][t]
+    grads = owner["grads"]
     used = (owner["shard before"] - owner["shard after"]) / LR - MOMENTUM * mine["buf"][part]
     right = avg[part]
     nonzero = right.abs() > 1e-6
@@ -260,11 +277,7 @@ def _values(report: Report, what: str, results, world: int) -> bool:
         if unwaited:
             nan = any(s["after"].isnan().any() for s in res["steps"])
             read = f"; flat_params then held NaN ({_POISON})" if nan else ""
-            report.fail(
-                f"{what}: rank {rank} never waited for {len(unwaited)} operation(s), e.g. "
-                f"{unwaited[0]}{read}: call .wait() on every handle before reading what it "
-                "delivers, and before returning"
-            )
+            report.fail(never_waited(what, rank, unwaited, WAIT_BEFORE_READING, read))
             return False
     numel = results[0]["numel"]
     for t in range(STEPS):  # the first step where any rank is off: all agreed before it
@@ -352,17 +365,19 @@ def check_zero1_step(zero1_step, world_size: int = 3, timeout: float = 60.0) -> 
     """
     report = Report("zero1_step")
     what = f"zero1_step on {world_size} ranks"
-    seeds = [secrets.randbits(62) for _ in range(world_size)]
-    results = run_or_report(report, what, _run, zero1_step, world_size=world_size,
-                            timeout=timeout, explain=_explain,
-                            forbid=answers.of("check_zero1_step"),
-                            rank_kwargs=[{"seed": seed} for seed in seeds])  # fmt: skip
+    seeds = private_seeds(world_size)
+
+    def references(results) -> bool:  # the verdict comes below, in cases of its own
+        _references([res for res, _ in results], seeds)
+        for res, traffic in results:
+            res["gathers"] = any("all_gather" in c for c in traffic.collectives)
+        return True
+
+    case = Case(what, world_size, _run, (zero1_step,), references, seeded(seeds))
+    results = run_cases(report, "check_zero1_step", [case], timeout=timeout, explain=_explain)
     if results is None:
         return report
     values = [res for res, _ in results]
-    _references(values, seeds)
-    for res, traffic in results:
-        res["gathers"] = any("all_gather" in c for c in traffic.collectives)
     right = _values(report, what, values, world_size)
     built = right and _communication(report, what, results, world_size)
     if built:
@@ -457,7 +472,7 @@ def check_memory_per_rank(memory_per_rank) -> Report:
     for n_params, world, optimizer, zero1 in MEMORY_CASES:
         label = f"memory_per_rank({n_params:,}, {world}, {optimizer!r}, zero1={zero1})"
         try:
-            with answers.running(answers.of("check_memory_per_rank")) as ran:
+            with answers.running(answers_of("check_memory_per_rank")) as ran:
                 got = memory_per_rank(n_params, world, optimizer, zero1)
         except NotImplementedError:
             report.fail(f"{label}: not implemented yet (still raises NotImplementedError)")

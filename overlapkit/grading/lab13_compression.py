@@ -31,8 +31,9 @@ import torch
 
 from .. import handles, p2p
 from ..costmodel import top_k_count
-from ..sandbox import answers
-from .common import run_or_report, worst_element
+from .cases import Case, private_seeds, run_cases, seeded
+from .common import worst_element
+from .mistakes import WAIT_BEFORE_READING, never_waited, not_over_the_link
 from .report import Report
 from .traffic import shown
 
@@ -150,16 +151,26 @@ def _close(a, b) -> bool:
 
 
 def _flat_hint(got, rank, grads, given, k, numel, fraction, world, t) -> str:
-    """What the learner's ``flat`` on ``rank`` is, when it is not the average."""
+    """What the learner's ``flat`` on ``rank`` is, when it is not the average: how the
+    values were combined, which were chosen, or what arrived (the first that fits)."""
     corrected = [g + r for g, r in zip(grads, given, strict=True)]
     right = _averages(corrected, k)
+    picked = [_top(c, k) for c in corrected]
+    return (
+        _combined_hint(got, rank, grads, corrected, right, picked, k, world, t)
+        or _chosen_hint(got, grads, given, corrected, picked, k, numel, fraction, world, t)
+        or _arrived_hint(got, rank, grads, corrected, right, k, numel, world)
+    )
+
+
+def _combined_hint(got, rank, grads, corrected, right, picked, k, world, t) -> str:
+    """The right entries, combined wrongly (summed, their signs lost, added to flat)."""
     if world > 1 and _close(got, right * world):
         return (
             f" That is the sum over the {world} ranks, not the average: divide the "
             f"scattered values by the world size (ok.world_size()), as an AllReduce with "
             "op='avg' would."
         )
-    picked = [_top(c, k) for c in corrected]
     if _close(got, _mean_placed([c.abs() for c in corrected], picked)):
         return (
             " Those are the magnitudes of the chosen entries, their signs lost: choose the "
@@ -183,6 +194,11 @@ def _flat_hint(got, rank, grads, given, k, numel, fraction, world, t) -> str:
             )
     if _close(got, summed / k):
         return f" That is the sum divided by k = {k}: the average divides by N = {world}."
+    return ""
+
+
+def _chosen_hint(got, grads, given, corrected, picked, k, numel, fraction, world, t) -> str:
+    """The wrong entries chosen (the smallest, by value, too many, without the residual)."""
     smallest = [c.abs().topk(k, largest=False).indices for c in corrected]
     if _close(got, _mean_placed(corrected, smallest)):
         return (
@@ -234,6 +250,11 @@ def _flat_hint(got, rank, grads, given, k, numel, fraction, world, t) -> str:
                 " That adds the residual with the wrong sign (flat − residual): the residual "
                 "is what was left out, so it is added back, corrected = flat + residual."
             )
+    return ""
+
+
+def _arrived_hint(got, rank, grads, corrected, right, k, numel, world) -> str:
+    """What arrived in flat, when it is not the others' entries added at their places."""
     if not bool(got.any()):
         return (
             " flat is all zeros: the average was never written into it (add every rank's "
@@ -334,11 +355,7 @@ def _judge(report: Report, what: str, results, seeds, shared, numel, fraction) -
                 if nan
                 else ""
             )
-            report.fail(
-                f"{what}: rank {rank} never waited for {len(unwaited)} operation(s), e.g. "
-                f"{unwaited[0]}{read}: call .wait() on every handle before reading what it "
-                "delivers, and before returning"
-            )
+            report.fail(never_waited(what, rank, unwaited, WAIT_BEFORE_READING, read))
             return False
     for t in range(STEPS):
         for rank, (steps, _) in enumerate(results):
@@ -412,10 +429,9 @@ def _communication(report: Report, what: str, results, numel: int, fraction: flo
                     f"gather only the {k} values and {k} indices with {_GATHER}"
                 )
                 return False
+            advice = f"exchange the values and indices with the kit's {_GATHER}"
             report.fail(
-                f"{what}: rank {rank} called {used}: exchange the values and indices with "
-                f"the kit's {_GATHER} (what this lab counts, and only the kit's messages "
-                "travel over the emulated link)"
+                f"{what}: " + not_over_the_link(rank, used, advice, "what this lab counts, and ")
             )
             return False
         sent = max(s["sent"] for s in steps)
@@ -439,25 +455,25 @@ def check_topk_with_feedback(topk_with_feedback, timeout: float = 30.0) -> Repor
     """Check ``topk_with_feedback(flat, residual, fraction) -> new residual`` on 2 and 3
     ranks, three steps each (see the module docstring)."""
     report = Report("topk_with_feedback")
-    for world, numel, fraction in CASES:
-        k = top_k_count(numel, fraction)
-        what = f"{world} ranks, {numel} elements, fraction {fraction:g} (k = {k})"
-        seeds, shared = [secrets.randbits(62) for _ in range(world)], secrets.randbits(62)
-        results = run_or_report(report, what, _run, topk_with_feedback, numel, fraction, shared,
-                                world_size=world, timeout=timeout, explain=_explain,
-                                forbid=answers.of("check_topk_with_feedback"),
-                                rank_kwargs=[{"seed": s} for s in seeds])  # fmt: skip
-        if results is None:
-            return report
-        if not _judge(report, what, results, seeds, shared, numel, fraction):
-            return report
-        if not _communication(report, what, results, numel, fraction):
-            return report
-        report.ok(
-            f"{what}: {STEPS} steps, every rank's average and residual right; each rank "
-            f"gathered {k} values and {k} indices a step"
-        )
+    cases = [_case(report, topk_with_feedback, *case) for case in CASES]
+    run_cases(report, "check_topk_with_feedback", cases, timeout=timeout, explain=_explain)
     return report
+
+
+def _case(report: Report, topk_with_feedback, world: int, numel: int, fraction: float) -> Case:
+    k = top_k_count(numel, fraction)
+    what = f"{world} ranks, {numel} elements, fraction {fraction:g} (k = {k})"
+    seeds, shared = private_seeds(world), secrets.randbits(62)
+
+    def judge(results) -> bool:
+        return _judge(report, what, results, seeds, shared, numel, fraction) and _communication(
+            report, what, results, numel, fraction
+        )
+
+    passed = (f"{STEPS} steps, every rank's average and residual right; each rank "
+              f"gathered {k} values and {k} indices a step")  # fmt: skip
+    return Case(what, world, _run, (topk_with_feedback, numel, fraction, shared), judge,
+                seeded(seeds), passed)  # fmt: skip
 
 
 def _explain(text: str) -> str:

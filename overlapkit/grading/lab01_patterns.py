@@ -19,9 +19,9 @@ import threading
 import torch
 
 from ..costmodel import bytes_moved_per_rank
-from ..sandbox import answers
 from ..sandbox.sealed import seal
 from .common import Unfinished, call_or_report, plain_number
+from .exercises import answers_of
 from .report import Report
 from .traffic import COLLECTIVES, KIT_COLLECTIVES
 
@@ -266,7 +266,7 @@ def check_bytes_moved(bytes_moved) -> Report:
                 collective,
                 nbytes,
                 world,
-                forbid=answers.of("check_bytes_moved"),
+                forbid=answers_of("check_bytes_moved"),
             )
         except Unfinished:
             return report
