@@ -6,6 +6,7 @@ itself (:func:`seen_by_watches`), never on the rank."""
 
 from __future__ import annotations
 
+import _thread
 import itertools
 import marshal
 import os
@@ -40,12 +41,20 @@ def _sightings_pipe():
     return conn.fileno(), (st.st_dev, st.st_ino)
 
 
+#: one message at a time on the channel, whichever thread or watch writes it (the guard's
+#: audit hook writes from any thread, each watch under a lock of its own): a pipe takes a
+#: write of more than a few KiB in pieces, two writers' pieces interleaved garble the
+#: channel, and the caller stops reading a garbled one, so the next writer blocks for good
+_ONE_AT_A_TIME = _thread.RLock()
+
+
 def _writer(pipe, number: int):
     """``send(kind, data)``: one message on the sightings pipe ``pipe`` = (fd, identity),
     for the watch ``number``. Made, with all it calls bound, before the learner's code runs;
     it raises when the pipe is not the one it was given (closed, or another in its place)."""
     fd, identity = pipe
     fstat, write, pack, len_, memoryview_ = os.fstat, os.write, struct.pack, len, memoryview
+    one_at_a_time = _ONE_AT_A_TIME
 
     def send(kind, data):
         st = fstat(fd)
@@ -53,8 +62,9 @@ def _writer(pipe, number: int):
             raise OSError("the sightings pipe was replaced")
         message = pack("!BI", kind, number) + data
         view = memoryview_(pack("!i", len_(message)) + message)
-        while len_(view):
-            view = view[write(fd, view) :]
+        with one_at_a_time:
+            while len_(view):
+                view = view[write(fd, view) :]
 
     return send
 
