@@ -303,17 +303,36 @@ class _Executor:
             try:
                 if future.set_running_or_notify_cancel():
                     self._turn.active = True
-                    sys.setprofile(profile)
                     try:
+                        # Python refuses a profile function while one is being put in place
+                        # on this thread (a profile function's clean-up may still run): try
+                        # again; the op never runs without the profile it was issued under
+                        for attempt in range(_PROFILE_ATTEMPTS):
+                            try:
+                                sys.setprofile(profile)
+                                break
+                            except RuntimeError:
+                                if attempt == _PROFILE_ATTEMPTS - 1:
+                                    raise
+                                time.sleep(0.001)
                         # callbacks of the future run here: still within this op's turn
                         future.set_result(self._execute(fn, call, device, ready))
                     except BaseException as exc:  # noqa: BLE001 - delivered to wait()
                         future.set_exception(exc)
                     finally:
                         self._turn.active = False
-                        sys.setprofile(None)
+                        for _ in range(_PROFILE_ATTEMPTS):
+                            with contextlib.suppress(RuntimeError):  # (as above) once more
+                                sys.setprofile(None)
+                                break
             finally:
+                # the worker outlives whatever an op did: one that died would leave every
+                # later op of its group waiting for ever
                 self._advance()
+
+
+#: how often the worker tries to put an op's profile function in place (1 ms apart)
+_PROFILE_ATTEMPTS = 50
 
 
 def _profile_to_carry():
