@@ -357,15 +357,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _quiet_rank() -> bool:
-    from .launcher import _under_torchrun
+    from .torchrun import under_torchrun
 
-    return _under_torchrun() and os.environ["RANK"] != "0"
+    return under_torchrun() and os.environ["RANK"] != "0"
 
 
 def _run(args) -> int:
-    from .launcher import _under_torchrun
+    from .torchrun import under_torchrun
 
-    if _under_torchrun():
+    if under_torchrun():
         # under torchrun the ranks are torchrun's: every world size becomes its own
         world = int(os.environ["WORLD_SIZE"])
         for name, value in (("world_sizes", str(world)), ("world_size", world)):

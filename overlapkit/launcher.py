@@ -28,10 +28,8 @@ How, and why this way:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
-import importlib
 import multiprocessing as mp
 import multiprocessing.connection
 import multiprocessing.spawn
@@ -43,12 +41,10 @@ import signal
 import tempfile
 import threading
 import time
-import warnings
 
 import cloudpickle
-import torch.distributed as dist
 
-from . import _rank, handles, machine, p2p, plaindata, rankhook, runtime
+from . import _rank, machine, plaindata, rankhook, runtime
 from .forking import PRELOAD as PRELOAD
 from .forking import _forkserver, _landed, _ranks_skip_main, _start_lock
 from .forking import _interrupts_after as _interrupts_after
@@ -59,6 +55,7 @@ from .rankoutput import _DUMP_HEADER, _format_frames, _read, _strip_dumps, _wher
 from .rankoutput import hide_frames_from as hide_frames_from
 from .rankoutput import last_words as last_words
 from .rankoutput import print_rank_output as print_rank_output
+from .torchrun import launch_in_place, under_torchrun
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -229,9 +226,9 @@ def launch(
     """
     _last.heard = None  # this launch's, never an earlier one's
     _check_launch(fn, world_size, timeout, rank_kwargs)
-    if _under_torchrun():
+    if under_torchrun():
         mine = rank_kwargs[int(os.environ["RANK"])] if rank_kwargs is not None else {}
-        return _launch_in_place(fn, args, {**kwargs, **mine}, world_size, backend, link, hook)
+        return launch_in_place(fn, args, {**kwargs, **mine}, world_size, backend, link, hook)
     for module in getattr(hook, "preload", ()):
         preload(module)
 
@@ -558,53 +555,6 @@ def _rebuild_failure(outcome: _Outcome, world: int, logs=()) -> BaseException:
     exc.__cause__ = RemoteTraceback(f'{header}:\n"""\n{remote}\n"""')
     exc.rank = rank
     return exc
-
-
-# --------------------------------------------------------------------------- torchrun
-
-
-def _under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def _destroy_group() -> None:
-    if dist.is_initialized():
-        with contextlib.suppress(Exception):
-            p2p.forget_private_groups()
-            dist.destroy_process_group()
-
-
-def _launch_in_place(fn, args, kwargs, world_size, backend, link=None, hook=None):
-    """Under torchrun this process *is* a rank: run here, all-gather the values."""
-    world = int(os.environ["WORLD_SIZE"])
-    if world != world_size:
-        warnings.warn(
-            f"launch(world_size={world_size}) runs under torchrun with WORLD_SIZE={world}: "
-            f"using torchrun's {world} ranks",
-            stacklevel=3,
-        )
-    if not dist.is_initialized():
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        chosen = runtime.torchrun_backend(backend, os.environ, runtime.usable_gpus())
-        if "nccl" in chosen:
-            import torch
-
-            torch.cuda.set_device(local)
-        dist.init_process_group(chosen)
-        # torchrun's ranks are ordinary scripts: tear the group down before the
-        # interpreter does, or a still-running gloo thread can abort the exit
-        atexit.register(_destroy_group)
-    p2p.set_link(link)
-    for module in getattr(hook, "preload", ()):
-        importlib.import_module(module)
-    with contextlib.nullcontext() if hook is None else hook.around():
-        value = fn(*args, **kwargs)
-    handles.report_unwaited()
-    if hook is not None:  # no channel here: this process is the rank
-        hook.heard({}, set())
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
 
 
 __all__ = [
