@@ -4,7 +4,7 @@ communication hidden under compute hatched, the overlap measures in the title
 
 from __future__ import annotations
 
-from .timeline import COMM, COMPUTE, intersect, is_comm, union
+from .spans import COMM, COMPUTE, intersect, is_comm, union
 
 _LANE_COLORS = {COMPUTE: "#4C72B0", COMM: "#DD8452"}
 _OTHER_COLORS = ["#55A868", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C", "#CCB974"]

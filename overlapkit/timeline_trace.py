@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from .timeline import COMM, COMPUTE
+from .spans import COMM, COMPUTE
 
 
 def chrome_trace(timeline, path: str | None = None) -> dict:
