@@ -282,14 +282,23 @@ def _mean_hint(got, res, i, world) -> str:
     return ""
 
 
+def _refused_or_unwaited(report, what, rank, res, traffic, read) -> bool:
+    """Print the ✘ line of a rank the check refused, or that never waited for an operation
+    (``read``: the tensors it left, NaN where read while an operation on them was in
+    flight); say whether there was one."""
+    if refused_rank(report, what, rank, res, traffic,
+                    "average with the kit's ok.ring_all_reduce"):  # fmt: skip
+        return True
+    if res["never waited"]:
+        nan = any(t.isnan().any() for t in read)
+        _never_waited(report, what, rank, res["never waited"], nan)
+        return True
+    return False
+
+
 def _judge(report, what, results, world) -> bool:
     for rank, (res, traffic) in enumerate(results):
-        if refused_rank(report, what, rank, res, traffic,
-                        "average with the kit's ok.ring_all_reduce"):  # fmt: skip
-            return False
-        if res["never waited"]:
-            nan = any(v.isnan().any() for v in res["values"])
-            _never_waited(report, what, rank, res["never waited"], nan)
+        if _refused_or_unwaited(report, what, rank, res, traffic, res["values"]):
             return False
         for i, (got, want, name) in enumerate(
             zip(res["values"], res["want"], res["names"], strict=True)

@@ -8,10 +8,15 @@ import torch
 from .. import handles
 from .common import (
     builtin_collectives,
-    refused_rank,
     worst_element,
 )
-from .lab09_mean import _by_another_door, _close, _never_waited, _recorded_reductions, _short
+from .lab09_mean import (
+    _by_another_door,
+    _close,
+    _recorded_reductions,
+    _refused_or_unwaited,
+    _short,
+)
 
 STEPS, LR = 7, 0.1
 
@@ -157,12 +162,7 @@ def _scaled_update(got, want, before) -> float | None:
 
 def _judge_local_sgd(report, what, results, k) -> bool:
     for rank, (res, traffic) in enumerate(results):
-        if refused_rank(report, what, rank, res, traffic,
-                        "average with the kit's ok.ring_all_reduce"):  # fmt: skip
-            return False
-        if res["never waited"]:
-            nan = any(a.isnan().any() for a in res["after"])
-            _never_waited(report, what, rank, res["never waited"], nan)
+        if _refused_or_unwaited(report, what, rank, res, traffic, res["after"]):
             return False
     periods = ", ".join(map(str, _steps(k)))
     fixed = _fixed_period(results, k)
