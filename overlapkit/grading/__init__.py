@@ -14,6 +14,7 @@ from .lab04_zero1 import check_memory_per_rank, check_zero1_step
 from .lab05_async import check_overlapped_step, check_timed_step
 from .lab06_ddp import check_hook_ddp
 from .lab07_buckets import check_assign_buckets, check_bucketed_ddp
+from .lab08_pipeline import check_1f1b_schedule, check_gpipe_step
 from .lab09_local_sgd import check_average_parameters
 from .lab10 import check_tuning
 from .lab11_ag_matmul import check_ag_matmul
@@ -21,7 +22,6 @@ from .lab11_moe import check_chunked_moe
 from .lab12 import check_fsdp_plan
 from .lab13_compression import check_topk_with_feedback
 from .lab14 import check_hybrid_plan, check_mesh_groups
-from .pipeline import check_1f1b_schedule, check_gpipe_step
 from .report import Report
 
 # every rank forked from now on has what the checks' watch works out at import
