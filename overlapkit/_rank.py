@@ -185,7 +185,7 @@ def main(spec: RankSpec, rank: int, conn, heard=None) -> None:
     # CUDA_VISIBLE_DEVICES unset since: CUDA reads it at the rank's first CUDA call).
     os.environ.clear()
     os.environ.update(spec.env)
-    # gloo and NCCL listen on loopback only, unless the caller chose an interface; judged
+    # gloo and NCCL listen on loopback only, unless the caller chose an interface; decided
     # from the launch's environment, not os.environ, which still holds variables the
     # caller has unset since the forkserver started
     os.environ.update(machine.socket_env(spec.env))

@@ -516,7 +516,7 @@ def measure_step(wrapper: str = "bucketed", bucket_mb: float | None = 25, all_re
     backward, finishing the synchronisation, the optimizer step; the slowest rank's),
     ``comm_ms`` (time some AllReduce was in flight) and ``hidden`` (share of that under
     backward), from the wrapper's timeline; with ``per_step``, also every step's three
-    values (``"per_step"``: a dict of lists), for a judge that needs their spread."""
+    values (``"per_step"``: a dict of lists), for a caller that needs their spread."""
     from .bench.progress import slowest  # noqa: PLC0415
     from .timeline import COMM, Timeline  # noqa: PLC0415
 
