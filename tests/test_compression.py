@@ -291,3 +291,38 @@ def test_a_compressor_that_fails_inside_torchs_ddp_fails_its_backward_with_the_r
     told = ok.launch(torch_ddp_backward_error, compress=_Failing(0.5), world_size=2, timeout=60)
     for said in told:
         assert "this compressor fails on purpose" in said
+
+
+# --------------------------------------------------- lab 13 where a GPU exists
+
+
+def _lab13_beside_torch():
+    """The solution notebook's ``beside_torch``, defined as its cell defines it."""
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "solutions" / "13_compression.ipynb"
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    (cell,) = (
+        "".join(c["source"]) for c in nb["cells"] if "def beside_torch" in "".join(c["source"])
+    )
+    definition = cell[: cell.index("\npairs = ")]
+    where = {"ok": ok, "torch": torch, "Half": Half, "PowerSGD": PowerSGD}
+    exec(compile(definition, "13_compression.ipynb", "exec"), where)
+    return where["beside_torch"]
+
+
+def _beside_torch_where_cuda_is_reported(beside_torch):
+    # the rank's buckets stay on the CPU while torch reports a GPU: a GPU box with more
+    # ranks than GPUs, where PyTorch's powerSGD_hook calls torch.cuda.synchronize(cpu)
+    torch.cuda.is_available = lambda: True
+    return beside_torch(steps=4)
+
+
+def test_lab13_compares_with_pytorchs_powersgd_on_cpu_ranks_of_a_gpu_box():
+    pairs = ok.launch(
+        _beside_torch_where_cuda_is_reported, _lab13_beside_torch(), world_size=2, timeout=120
+    )[0]
+    theirs, ours = pairs["PowerSGD r4"]
+    assert len(theirs) == len(ours) == 4
+    assert theirs == pytest.approx(ours, rel=1e-5)
