@@ -1,11 +1,12 @@
-"""Values that come back from code we do not trust, read as plain data.
+"""Values that come back from ranks the caller does not trust, read as plain data.
 
 Unpickling runs code: the bytes name the functions to call while they are read
 (``__reduce__``), so whoever wrote them runs code in the reader. ``ok.launch`` normally
-trusts its ranks — they run the caller's own function — but the grader's judge runs a
-student's function on them, and a student who has read the kit could make a rank's
-return value (or its exception, or the message around both) run code in the judge and
-print a verdict there. Under :func:`distrust`, therefore:
+trusts its ranks, since they run the caller's own function. A caller that runs a function
+someone else wrote (a program that runs its users' code, say) cannot: that function could
+make its rank's return value, its exception or the message around both run code in the
+caller. Under :func:`distrust`, therefore, as ``torch.load(weights_only=True)`` does for
+checkpoints:
 
 * the message a rank sends (``("ok", value)``, or an error's type name, text and
   frames) is read by an unpickler that knows no class at all: tuples, lists, strings,
@@ -50,7 +51,7 @@ def distrust():
 
 
 def distrust_from_now() -> None:
-    """For a process that only ever judges (the grader's check runner)."""
+    """For a process that reads only from ranks it does not trust, from now on."""
     global _trusting
     _trusting = False
 
@@ -107,7 +108,7 @@ def _records() -> list:
 
 
 def loads(data: bytes):
-    """In the judge: a value written by :func:`dumps`, read with the weights-only loader."""
+    """In the caller: a value written by :func:`dumps`, read with the weights-only loader."""
     import torch  # noqa: PLC0415
 
     torch.serialization.add_safe_globals(_records())
