@@ -21,7 +21,8 @@ module              what it keeps the learner's code from doing
                     learner is told)
 :mod:`.sealed`      running code in the *judge*: a learner's function travels as sealed bytes
                     that unpickle only on a rank; a single-process exercise runs in a process
-                    of its own; an audit hook (PEP 578) guards the call
+                    of its own; an audit hook (PEP 578) guards the call; the watches open
+                    when it starts go with it to its rank (:mod:`.forwarded`)
 :mod:`.nosockets`   opening a channel of its own between ranks (Linux seccomp)
 :mod:`.nofiles`     sharing a file with the other ranks (Linux Landlock, 5.13 or later)
 :mod:`.witness`     typing in numbers a lab asks to be measured: the grader measures them in

@@ -29,13 +29,12 @@ import sys
 import cloudpickle
 
 from .. import plaindata
+from . import forwarded
+from .forwarded import watching
 
 #: a single-process exercise's call on its rank: microseconds of work, but a rank that
 #: starts beside a loaded machine's other work (load 7 on 2 cores) once took over 30 s
 CALL_TIMEOUT_S = 60.0
-
-#: what the judge is watching right now: (what, list to extend) — see :func:`watching`
-_watching: list[tuple[tuple, list]] = []
 
 
 class Sealed:
@@ -80,20 +79,6 @@ def seal(fn):
     return sealed
 
 
-@contextlib.contextmanager
-def watching(what: tuple, seen: list):
-    """While the block runs, a :class:`Sealed` call also watches ``what`` on its rank and
-    appends what it saw to ``seen``. ``what``: ``("attr", module, names, prefix)`` (calls of
-    those attributes, as :func:`recorded_calls` records them) or ``("answers", names)``
-    (each time the code of one of the kit's answers ``names`` starts, under whatever name:
-    ``answers.running``)."""
-    _watching.append((what, seen))
-    try:
-        yield seen
-    finally:
-        _watching.remove((what, seen))
-
-
 def call(fn, *args, timeout: float = CALL_TIMEOUT_S, **kwargs):
     """``fn(*args, **kwargs)`` on a rank of its own; its value, read as plain data.
 
@@ -120,7 +105,7 @@ def call(fn, *args, timeout: float = CALL_TIMEOUT_S, **kwargs):
         raise TypeError(f"{name} cannot be sent to the process the check runs it in: "
                         f"{fn.unsendable} (it must pickle: no open files, locks or sockets "
                         "in what it uses)")  # fmt: skip
-    watched = list(_watching)
+    watched = list(forwarded.OPEN)
     reported: list | None = None
     try:
         with plaindata.distrust():  # its value is read as plain data, in a notebook too

@@ -21,6 +21,7 @@ from .. import plaindata, warmup
 from .codes import code_objects
 from .copies import COPIED, COPY_MIN_TOKENS, TELLING_BYTES, _prefilter
 from .disarm import _disarmed, _open
+from .forwarded import watching
 from .origins import _INSTALLED, _TORCH, _TORCH_DISTRIBUTED, _group_ops, _trusted, library
 from .sightings import CODE, NOTE, START, _numbers, _remember, _sightings_pipe, _writer
 from .told import GROUP, TAMPERED
@@ -60,8 +61,6 @@ def running(names):
     """Watch the answers ``names`` while the block runs; yields the list of the answers'
     names, one entry per time their code started (see the module docstring for where),
     and what else the watch saw (:func:`said` words it)."""
-    from . import sealed  # noqa: PLC0415
-
     ran: list[str] = []
     if not names:
         yield ran
@@ -80,7 +79,7 @@ def running(names):
     try:
         # a sealed student function called meanwhile is watched on its own rank the same way
         with (_disarmed(names, codes), _raw_threads_watched(watch),
-              sealed.watching(("answers", tuple(names)), ran)):  # fmt: skip
+              watching(("answers", tuple(names)), ran)):  # fmt: skip
             yield ran
     finally:
         _open.remove(ran)
