@@ -20,6 +20,7 @@ from .lab11_tensor_expert import (
     _Log,
     _overlapped,
     _Patient,
+    _rank_result,
     _Stuck,
     _stuck_line,
     _tensors,
@@ -44,30 +45,26 @@ def _ag_inputs(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(ROWS, FEATURES, generator=gen), torch.randn(OUT, FEATURES, generator=gen)
 
 
-def _run_ag(ag_matmul, seed: int):
-    """On each rank: its own shard and weight only (``seed``, drawn per check and sent to
-    this rank alone), so no rank can rebuild the others' shards without the messages; what
-    is wanted is worked out by the checking process (:func:`_ag_wants`)."""
-    import overlapkit as ok  # noqa: PLC0415
+class _Messages:
+    """``ok.p2p.isend`` and ``irecv`` as the check watches them: each logged and counted per
+    peer, a send's tensor held until its wait, a receive over a send noted (``aliased``)."""
 
-    me = ok.rank()
-    x, weight = _ag_inputs(seed)
-    del seed
-    log = _Log()
-    orig_isend, orig_irecv = ok.p2p.isend, ok.p2p.irecv
-    counter = {"send": 0, "recv": 0}
-    peers = _Patient(me)
+    def __init__(self, log: _Log, peers: _Patient, orig_isend, orig_irecv):
+        self.log, self.peers = log, peers
+        self.orig_isend, self.orig_irecv = orig_isend, orig_irecv
+        self.counter = {"send": 0, "recv": 0}
+        # what each send in flight reads, held (not its address: a tensor sent and dropped
+        # would free its memory for the next empty_like, and look like a receive into it)
+        self.sending: dict = {}  # send number -> the tensor it may still read
+        self.aliased: list = []
 
-    # what each send in flight reads, held (not its address: a tensor sent and dropped
-    # would free its memory for the next empty_like, and look like a receive into it)
-    sending: dict = {}  # send number -> the tensor it may still read
-    aliased = []
-
-    def isend(tensor, dst, group=None):
+    def isend(self, tensor, dst, group=None):
+        """The kit's isend, logged, its tensor held as still read until the send's wait."""
+        counter, sending = self.counter, self.sending
         n = counter["send"] = counter["send"] + 1
-        log.mark("send", n)
-        handle = log.wrap_handle(orig_isend(tensor, dst, group), "send waited", n)
-        handle = peers.wrap(handle, "send", dst)
+        self.log.mark("send", n)
+        handle = self.log.wrap_handle(self.orig_isend(tensor, dst, group), "send waited", n)
+        handle = self.peers.wrap(handle, "send", dst)
         inner = handle.wait
         sending[n] = tensor
 
@@ -79,75 +76,98 @@ def _run_ag(ag_matmul, seed: int):
         handle.wait = wait
         return handle
 
-    def irecv(tensor, src, group=None):
+    def irecv(self, tensor, src, group=None):
+        """The kit's irecv, logged; unless over a send, landing in ``tensor`` only when waited."""
+        log, counter = self.log, self.counter
         n = counter["recv"] = counter["recv"] + 1
         log.mark("recv", n)
-        if any(inflight.overlaps(tensor, sent) for sent in sending.values()):  # over a send
-            aliased.append(n)
-            return log.wrap_handle(orig_irecv(tensor, src, group), "recv waited", n)
+        if any(inflight.overlaps(tensor, sent) for sent in self.sending.values()):  # over a send
+            self.aliased.append(n)
+            return log.wrap_handle(self.orig_irecv(tensor, src, group), "recv waited", n)
         # the race guard of the kit's collectives, for a message: the message lands in a
         # private tensor, the learner's holds NaN until wait(), so that a shard multiplied
         # before its wait shows every run (a small message lands only when waited anyway)
         private = torch.empty_like(tensor)
-        handle = orig_irecv(private, src, group)
+        handle = self.orig_irecv(private, src, group)
         inflight.poison(tensor)
-        handle = peers.wrap(log.wrap_handle(handle, "recv waited", n), "recv", src)
-        inner_wait, inner_done, landed = handle.wait, handle.is_completed, []
+        handle = self.peers.wrap(log.wrap_handle(handle, "recv waited", n), "recv", src)
+        return _landing_when_waited(handle, private, tensor)
 
-        def land():
-            if not landed:
-                landed.append(True)
-                tensor.copy_(private)
 
-        def wait(*args, **kwargs):
-            result = inner_wait(*args, **kwargs)
+def _landing_when_waited(handle, private: torch.Tensor, tensor: torch.Tensor):
+    """``handle``, made to copy ``private`` into ``tensor`` once, when it is first seen done."""
+    inner_wait, inner_done, landed = handle.wait, handle.is_completed, []
+
+    def land():
+        if not landed:
+            landed.append(True)
+            tensor.copy_(private)
+
+    def wait(*args, **kwargs):
+        result = inner_wait(*args, **kwargs)
+        land()
+        return result
+
+    def is_completed():
+        done = inner_done()
+        if done:
             land()
-            return result
+        return done
 
-        def is_completed():
-            done = inner_done()
-            if done:
-                land()
-            return done
+    handle.wait, handle.is_completed = wait, is_completed
+    return handle
 
-        handle.wait, handle.is_completed = wait, is_completed
-        return handle
 
+class _Products(torch.overrides.TorchFunctionMode):
+    """Marks each matrix product in ``log``; keeps its row blocks and whether one held NaN."""
+
+    def __init__(self, log: _Log, operands: list, nan_operands: list):
+        super().__init__()
+        self.log, self.operands, self.nan_operands = log, operands, nan_operands
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        product = getattr(func, "__name__", "") in _PRODUCTS
+        if product:
+            self.log.mark("matmul start", 0)
+            for a in _tensors(args, kwargs):
+                if a.dim() == 2 and a.shape[-1] == FEATURES and a.is_floating_point():
+                    self.nan_operands.extend([True] if bool(a.isnan().any()) else [])
+                    if len(self.operands) < 64:
+                        self.operands.append(a.detach().clone())
+        out = func(*args, **(kwargs or {}))
+        if product:
+            self.log.mark("matmul end", 0)
+        return out
+
+
+def _run_ag(ag_matmul, seed: int):
+    """On each rank: its own shard and weight only (``seed``, drawn per check and sent to
+    this rank alone), so no rank can rebuild the others' shards without the messages; what
+    is wanted is worked out by the checking process (:func:`_ag_wants`)."""
+    import overlapkit as ok  # noqa: PLC0415
+
+    me = ok.rank()
+    x, weight = _ag_inputs(seed)
+    del seed
+    log = _Log()
+    messages = _Messages(log, _Patient(me), ok.p2p.isend, ok.p2p.irecv)
     operands: list = []  # the row blocks seen in a product (the checker tells whose)
-    nan_operands = []  # products of a tensor holding NaN (a receive read before its wait)
-
-    class Watched(torch.overrides.TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            product = getattr(func, "__name__", "") in _PRODUCTS
-            if product:
-                log.mark("matmul start", 0)
-                for a in _tensors(args, kwargs):
-                    if a.dim() == 2 and a.shape[-1] == FEATURES and a.is_floating_point():
-                        nan_operands.extend([True] if bool(a.isnan().any()) else [])
-                        if len(operands) < 64:
-                            operands.append(a.detach().clone())
-            out = func(*args, **(kwargs or {}))
-            if product:
-                log.mark("matmul end", 0)
-            return out
-
+    nan_operands: list = []  # products of a tensor holding NaN (a receive read before its wait)
     handles.take_unwaited()
-    ok.p2p.isend, ok.p2p.irecv = isend, irecv
+    ok.p2p.isend, ok.p2p.irecv = messages.isend, messages.irecv
     stuck = None
     try:
-        with _forbidden(_AG_FORBIDDEN) as called, _builtins() as builtin, Watched():
+        with (_forbidden(_AG_FORBIDDEN) as called, _builtins() as builtin,
+              _Products(log, operands, nan_operands)):  # fmt: skip
             got = ag_matmul(x, weight)
     except _Stuck as exc:
         got, stuck = None, exc.args
     finally:
-        ok.p2p.isend, ok.p2p.irecv = orig_isend, orig_irecv
-        peers.done()
+        ok.p2p.isend, ok.p2p.irecv = messages.orig_isend, messages.orig_irecv
+        messages.peers.done()
     return {
-        "got": got if isinstance(got, torch.Tensor) else repr(got)[:80],
-        "called": called,
-        "builtin": builtin,
-        "events": log.events,
-        "aliased": aliased,
+        **_rank_result(got, called, builtin, log),
+        "aliased": messages.aliased,
         "unwaited": handles.take_unwaited(),
         "stuck": stuck,
         "operands": operands,

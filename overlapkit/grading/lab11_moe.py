@@ -20,6 +20,7 @@ from .lab11_tensor_expert import (
     _in_flight_across,
     _Log,
     _overlapped,
+    _rank_result,
     _tensors,
 )
 from .report import Report
@@ -54,6 +55,116 @@ def _moe_expert(seed: int) -> torch.nn.Linear:
         return torch.nn.Linear(D, D)
 
 
+class _AllToAlls:
+    """``ok.all_to_all`` and the rank's expert as the check watches them: each all-to-all
+    logged and told a dispatch or a combine, its output held in flight until its wait."""
+
+    def __init__(self, log: _Log, x: torch.Tensor, world: int, orig):
+        self.log, self.x, self.world, self.orig = log, x, world, orig
+        self.count = 0
+        self.outputs: set = set()  # storages of the expert's outputs: what a combine sends
+        self.received: dict = {}  # an all-to-all's output storage -> its number
+        self.dispatches: set = set()  # all-to-alls whose output the expert then computed on
+        self.combines: set = set()  # all-to-alls that sent what the expert computed
+        self.tokens: dict = {}  # an all-to-all's number -> the tokens (rows of x) it sent
+        self.blocks: dict = {}  # a dispatch's number -> the rows it sent to each rank
+        # an async all-to-all's output storage -> (kind, chunk) until waited
+        self.in_flight: dict = {}
+        self.touched: list = []  # (kind, chunk) of outputs read while in flight
+        # the kit's own calls (filling, copying back) are no read of the learner
+        self.inside = False
+
+    def all_to_all(self, *args, **kwargs):
+        """The kit's all_to_all, numbered, logged, and its output's storage noted."""
+        self.count += 1
+        n_ = self.count
+        kind = self._kind(n_, args, kwargs)
+        chunk = len(self.tokens) - 1 if kind == "dispatch" else len(self.combines) - 1
+        target = args[0] if args else kwargs.get("output")
+        if isinstance(target, torch.Tensor):
+            self.received[target.data_ptr()] = n_
+        self.log.mark("a2a", n_)
+        self.inside = True
+        try:
+            handle = self.orig(*args, **kwargs)
+        finally:
+            self.inside = False
+        if not kwargs.get("async_op"):
+            self.log.mark("a2a waited", n_)
+            return handle
+        handle = self.log.wrap_handle(handle, "a2a waited", n_)
+        if isinstance(target, torch.Tensor):
+            self._in_flight_until_waited(handle, target, (kind, chunk))
+        return handle
+
+    def _kind(self, n_: int, args, kwargs) -> str:
+        """What all-to-all ``n_`` sends: rows of x (dispatch) or the expert's outputs (combine)."""
+        source = args[1] if len(args) > 1 else kwargs.get("input")
+        if isinstance(source, torch.Tensor) and source.is_floating_point():
+            rows = _token_numbers(source, self.x)
+            if any(i >= 0 for i in rows):  # rows of x: a dispatch
+                self.tokens[n_] = rows
+                splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
+                self.blocks[n_] = _blocks(rows, splits, self.world)
+                return "dispatch"
+            if source.data_ptr() in self.outputs or any(
+                e == "expert start" for _, e, _ in self.log.events
+            ):
+                self.combines.add(n_)  # the expert's outputs, on their way back
+                return "combine"
+        return "all-to-all"
+
+    def _in_flight_until_waited(self, handle, target: torch.Tensor, what: tuple) -> None:
+        """Holds ``target``'s storage in flight as ``what`` (kind, chunk) until its wait."""
+        key = target.untyped_storage().data_ptr()
+        self.in_flight[key] = what
+        inner = handle.wait
+
+        def wait(*a, **k):
+            self.inside = True
+            try:
+                return inner(*a, **k)
+            finally:
+                self.inside = False
+                self.in_flight.pop(key, None)
+
+        handle.wait = wait
+
+    def watch_expert(self, expert: torch.nn.Module) -> None:
+        """Logs each call of ``expert``: which all-to-all's output it took, where its own lives."""
+        orig_forward = expert.forward
+
+        def forward(inp):
+            if isinstance(inp, torch.Tensor) and inp.data_ptr() in self.received:
+                self.dispatches.add(self.received[inp.data_ptr()])
+            self.log.mark("expert start", 0)
+            out = orig_forward(inp)
+            self.log.mark("expert end", 0)
+            self.outputs.add(out.data_ptr())
+            return out
+
+        expert.forward = forward
+
+
+class _Touches(torch.overrides.TorchFunctionMode):
+    """Notes a read of an all-to-all's output before its wait (under the check's race
+    guard it holds NaN then: this says which output it was)."""
+
+    def __init__(self, a2a: _AllToAlls):
+        super().__init__()
+        self.a2a = a2a
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        a2a = self.a2a
+        if a2a.in_flight and not a2a.inside and getattr(func, "__name__", "") not in _METADATA:
+            for a in _tensors(args, kwargs):
+                hit = a2a.in_flight.get(a.untyped_storage().data_ptr())
+                if hit is not None:
+                    a2a.touched.append(hit)
+                    break
+        return func(*args, **(kwargs or {}))
+
+
 def _run_moe(chunked_moe, chunks, seed: int, expert_seed: int):
     """On each rank: its own tokens and its own expert only (seeds drawn per check and sent
     to this rank alone), so no rank can work out another's tokens or apply another's
@@ -66,107 +177,24 @@ def _run_moe(chunked_moe, chunks, seed: int, expert_seed: int):
     expert = _moe_expert(expert_seed)
     del seed, expert_seed
     log = _Log()
-    counter = [0]
-    orig = ok.all_to_all
-
-    outputs: set = set()  # storages of the expert's outputs: what a combine sends
-    received: dict = {}  # an all-to-all's output storage -> its number
-    dispatches: set = set()  # all-to-alls whose output the expert then computed on
-    combines: set = set()  # all-to-alls that sent what the expert computed
-    tokens: dict = {}  # an all-to-all's number -> the tokens (rows of x) it sent
-    blocks: dict = {}  # a dispatch's number -> the rows it sent to each rank
-    in_flight: dict = {}  # an async all-to-all's output storage -> (kind, chunk) until waited
-    touched: list = []  # (kind, chunk) of outputs read while in flight
-    inside = [False]  # the kit's own calls (filling, copying back) are no read of the learner
-
-    def all_to_all(*args, **kwargs):
-        counter[0] += 1
-        n_ = counter[0]
-        kind = "all-to-all"
-        source = args[1] if len(args) > 1 else kwargs.get("input")
-        if isinstance(source, torch.Tensor) and source.is_floating_point():
-            rows = _token_numbers(source, x)
-            if any(i >= 0 for i in rows):  # rows of x: a dispatch
-                tokens[n_], kind = rows, "dispatch"
-                splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
-                blocks[n_] = _blocks(rows, splits, world)
-            elif source.data_ptr() in outputs or any(e == "expert start" for _, e, _ in log.events):
-                combines.add(n_)  # the expert's outputs, on their way back
-                kind = "combine"
-        chunk = len(tokens) - 1 if kind == "dispatch" else len(combines) - 1
-        target = args[0] if args else kwargs.get("output")
-        if isinstance(target, torch.Tensor):
-            received[target.data_ptr()] = n_
-        log.mark("a2a", n_)
-        inside[0] = True
-        try:
-            handle = orig(*args, **kwargs)
-        finally:
-            inside[0] = False
-        if not kwargs.get("async_op"):
-            log.mark("a2a waited", n_)
-            return handle
-        handle = log.wrap_handle(handle, "a2a waited", n_)
-        if isinstance(target, torch.Tensor):
-            key = target.untyped_storage().data_ptr()
-            in_flight[key] = (kind, chunk)
-            inner = handle.wait
-
-            def wait(*a, **k):
-                inside[0] = True
-                try:
-                    return inner(*a, **k)
-                finally:
-                    inside[0] = False
-                    in_flight.pop(key, None)
-
-            handle.wait = wait
-        return handle
-
-    class Touches(torch.overrides.TorchFunctionMode):
-        """Notes a read of an all-to-all's output before its wait (under the check's race
-        guard it holds NaN then: this says which output it was)."""
-
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if in_flight and not inside[0] and getattr(func, "__name__", "") not in _METADATA:
-                for a in _tensors(args, kwargs):
-                    hit = in_flight.get(a.untyped_storage().data_ptr())
-                    if hit is not None:
-                        touched.append(hit)
-                        break
-            return func(*args, **(kwargs or {}))
-
-    orig_forward = expert.forward
-
-    def forward(inp):
-        if isinstance(inp, torch.Tensor) and inp.data_ptr() in received:
-            dispatches.add(received[inp.data_ptr()])
-        log.mark("expert start", 0)
-        out = orig_forward(inp)
-        log.mark("expert end", 0)
-        outputs.add(out.data_ptr())
-        return out
-
-    expert.forward = forward
+    a2a = _AllToAlls(log, x, world, ok.all_to_all)
+    a2a.watch_expert(expert)
     handles.take_unwaited()
-    ok.all_to_all = all_to_all
+    ok.all_to_all = a2a.all_to_all
     try:
         with (_forbidden({"moe.MoELayer": "ok.moe.MoELayer"}) as called, _builtins() as builtin,
-              torch.no_grad(), Touches()):  # fmt: skip
+              torch.no_grad(), _Touches(a2a)):  # fmt: skip
             got = chunked_moe(x, expert_of, expert, chunks)
     finally:
-        ok.all_to_all = orig
+        ok.all_to_all = a2a.orig
     return {
-        "got": got if isinstance(got, torch.Tensor) else repr(got)[:80],
-        "called": called,
-        "builtin": builtin,
-        "events": log.events,
-        "a2a": counter[0],
-        "dispatches": dispatches,
-        "combines": sorted(combines - dispatches),
-        "tokens": tokens,
-        "blocks": [blocks[k] for k in sorted(blocks)],
-        "touched": touched,
+        **_rank_result(got, called, builtin, log),
+        "a2a": a2a.count,
+        "dispatches": a2a.dispatches,
+        "combines": sorted(a2a.combines - a2a.dispatches),
+        "tokens": a2a.tokens,
+        "blocks": [a2a.blocks[k] for k in sorted(a2a.blocks)],
+        "touched": a2a.touched,
         "unwaited": handles.take_unwaited(),
         "expert_of": expert_of,
     }

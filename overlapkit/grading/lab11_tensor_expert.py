@@ -63,6 +63,16 @@ def _tensors(args, kwargs) -> list:
     return found
 
 
+def _rank_result(got, called, builtin, log: _Log) -> dict:
+    """What a rank's run begins its result with: what it returned, what it called, its log."""
+    return {
+        "got": got if isinstance(got, torch.Tensor) else repr(got)[:80],
+        "called": called,
+        "builtin": builtin,
+        "events": log.events,
+    }
+
+
 class _Stuck(Exception):
     """A rank waits for a message that its peer, already returned, will never send (or
     never receive): args (what, peer, n, the peer's counts)."""
