@@ -163,6 +163,11 @@ def report_unwaited(grace_s: float = 5.0) -> None:
         ) from exc
 
 
+def pending() -> int:
+    """How many handles of this process are issued and not yet waited."""
+    return len(_unwaited)  # one read of a dict's size: no lock to take from any thread
+
+
 def take_unwaited() -> list[str]:
     """Describe and stop tracking the handles not waited so far, for a caller that reports
     them itself (instead of the warnings at the rank's end, :func:`report_unwaited`)."""

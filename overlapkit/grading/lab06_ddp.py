@@ -171,7 +171,7 @@ def _train(wrapper_cls, make_args, batches):
             loss.backward()
             in_backward = _kit_ops_issued() - issued
             during = calls.take()
-            pending = len(handles._unwaited)
+            pending = handles.pending()
             model.finish_gradient_synchronization()
             in_finish = _kit_ops_issued() - issued - in_backward
             grads = {
