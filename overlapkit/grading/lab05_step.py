@@ -159,6 +159,11 @@ class _Probe:
 
         return ring_all_reduce
 
+    def in_flight(self):
+        """The futures of the learner's async AllReduces that have not ended yet."""
+        futures = (getattr(c.handle, "_future", None) for c in self.calls)
+        return [f for f in futures if f is not None and not f.done()]
+
     @contextlib.contextmanager
     def installed(self):
         import overlapkit
@@ -257,6 +262,43 @@ def _spans_of(timeline, t0: float):
     return [(s.name, s.lane, s.start - t0, s.end - t0) for s in spans]
 
 
+def _calls_seen(probe: _Probe, rel) -> list[dict]:
+    """Each of the learner's calls as plain data, its times made relative by ``rel``."""
+    # a loop on is_completed() until True waits as wait() does: its first poll counts as the wait
+    return [
+        {
+            "async": c.async_op,
+            "issued": rel(c.issued),
+            "returned": rel(c.returned),
+            "waits": sorted(rel(t) for t in c.waits + c.polls[:1] * (c.polled_done is not None)),
+            "waited": sorted(
+                rel(t) for t in c.waited + [c.polled_done] * (c.polled_done is not None)
+            ),
+            # the first thing that waited for the op was a loop on is_completed()
+            "polled": bool(c.polls) and (not c.waits or c.polls[0] < c.waits[0]),
+            "handle": c.handle is not None,
+            "on_grad": c.on_grad,
+            "site": getattr(c.handle, "site", "?"),
+            "running_at_return": c.handle is not None and not type(c.handle).is_completed(c.handle),
+        }
+        for c in probe.calls
+    ]
+
+
+def _settle(probe: _Probe, calls: list[dict], rel) -> None:
+    """Wait for the ops never waited, then add when each began and ended to ``calls``."""
+    for c in probe.calls:  # settle what was never waited, so that grad is read after it
+        if c.handle is not None and not c.waits:
+            with contextlib.suppress(Exception):
+                c.handle.wait(timeout=TIMEOUT_S / 2)
+    for c, seen in zip(probe.calls, calls, strict=True):
+        seen["done"], seen["began"] = rel(c.done), rel(c.began)
+        # the checks' read guard copies the tensor at issue and back at the end: time that
+        # belongs to the guard, allowed for when the learner's spans are compared
+        guard = getattr(c.handle, "_guard", None)
+        seen["guard_s"] = (getattr(guard, "copy_s", 0.0), getattr(guard, "copy_back_s", 0.0))
+
+
 def _run(fn_bytes: bytes, timed: bool, compute_s: float, hold_s: float):
     """One step of the learner's function on this rank; what was seen, as plain data."""
     import overlapkit as ok
@@ -270,13 +312,7 @@ def _run(fn_bytes: bytes, timed: bool, compute_s: float, hold_s: float):
     probe = _Probe(grad)
     mine = grad.clone()
     total = sum(_gradient(r) for r in range(world))
-
-    def in_flight():
-        """The futures of the learner's async AllReduces that have not ended yet."""
-        futures = (getattr(c.handle, "_future", None) for c in probe.calls)
-        return [f for f in futures if f is not None and not f.done()]
-
-    compute = _Compute(me, compute_s, in_flight=in_flight, hold_s=hold_s)
+    compute = _Compute(me, compute_s, in_flight=probe.in_flight, hold_s=hold_s)
     timeline = ok.Timeline() if timed else None
     align = ok.collectives.ring_all_reduce  # not the learner's: taken before the probe
     with probe.installed():
@@ -295,36 +331,9 @@ def _run(fn_bytes: bytes, timed: bool, compute_s: float, hold_s: float):
     def rel(t):
         return None if t is None else t - t0
 
-    # as the step left them, before the check waits for what it did not. A loop on
-    # is_completed() until True waits as wait() does: its first poll counts as the wait
-    calls = [
-        {
-            "async": c.async_op,
-            "issued": rel(c.issued),
-            "returned": rel(c.returned),
-            "waits": sorted(rel(t) for t in c.waits + c.polls[:1] * (c.polled_done is not None)),
-            "waited": sorted(
-                rel(t) for t in c.waited + [c.polled_done] * (c.polled_done is not None)
-            ),
-            # the first thing that waited for the op was a loop on is_completed()
-            "polled": bool(c.polls) and (not c.waits or c.polls[0] < c.waits[0]),
-            "handle": c.handle is not None,
-            "on_grad": c.on_grad,
-            "site": getattr(c.handle, "site", "?"),
-            "running_at_return": c.handle is not None and not type(c.handle).is_completed(c.handle),
-        }
-        for c in probe.calls
-    ]
-    for c in probe.calls:  # settle what was never waited, so that grad is read after it
-        if c.handle is not None and not c.waits:
-            with contextlib.suppress(Exception):
-                c.handle.wait(timeout=TIMEOUT_S / 2)
-    for c, seen in zip(probe.calls, calls, strict=True):
-        seen["done"], seen["began"] = rel(c.done), rel(c.began)
-        # the checks' read guard copies the tensor at issue and back at the end: time that
-        # belongs to the guard, allowed for when the learner's spans are compared
-        guard = getattr(c.handle, "_guard", None)
-        seen["guard_s"] = (getattr(guard, "copy_s", 0.0), getattr(guard, "copy_back_s", 0.0))
+    # as the step left them, before the check waits for what it did not
+    calls = _calls_seen(probe, rel)
+    _settle(probe, calls, rel)
     unwaited = handles.take_unwaited()  # reported by the check, not as a warning
 
     return {

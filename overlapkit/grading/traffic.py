@@ -103,54 +103,46 @@ def current() -> Traffic | None:
     return _current[-1] if _current else None
 
 
-@contextlib.contextmanager
-def recording(kit_collectives_are_builtins: bool = True, payloads: bool = False):
-    """Patch torch.distributed and ok.p2p in this process; yields the :class:`Traffic` it fills.
+class _Record:
+    """The :class:`Traffic` a recording fills, and the copy of its own it keeps alongside."""
 
-    A learner's ``ok.p2p.isend`` counts as one message, not as the header and
-    data messages the kit sends for it. A call of the kit's own collectives
-    (``ok.ring_all_reduce``, ...) counts as a built-in collective, unless
-    ``kit_collectives_are_builtins=False``: then the messages it sends count.
-    """
-    traffic = Traffic()
-    _current.append(traffic)
-    # the learner's code can reach ``traffic`` (current()): what it records goes into a copy
-    # of its own too, which is what the check gets, and a difference says it was changed
-    kept = Traffic()
-    count_ops, kit_stats = group_ops, p2p.stats  # as they are now, not as patched later
+    def __init__(self, keep_payloads: bool):
+        self.traffic = Traffic()
+        # the learner's code can reach ``traffic`` (current()): what it records goes into a copy
+        # of its own too, which is what the check gets, and a difference says it was changed
+        self.kept = Traffic()
+        self.keep_payloads = keep_payloads
+        # an operation left running (an async op never waited) may still add from its thread
+        # while the record is compared: both copies change together, never one alone
+        self.lock = threading.Lock()
 
-    def kit_ops():
-        return kit_stats().user_group_messages
+    def add(self, field: str, value) -> None:
+        """Append ``value`` to ``field`` of both copies."""
+        with self.lock:
+            getattr(self.traffic, field).append(value)
+            getattr(self.kept, field).append(value)
 
-    # an operation left running (an async op never waited) may still add from its thread
-    # while the record is compared: both copies change together, never one alone
-    lock = threading.Lock()
-
-    def add(field: str, value) -> None:
-        with lock:
-            getattr(traffic, field).append(value)
-            getattr(kept, field).append(value)
-
-    def note(name, args, kwargs):
+    def note(self, name, args, kwargs):
+        """Note the message or collective of one call of ``name``."""
         if name in ("send", "isend"):
             tensor = args[0] if args else kwargs["tensor"]
-            add("sent", (_peer(args, kwargs, "dst"), _nbytes(tensor)))
-            if payloads:
-                add("payloads", tensor.detach().clone())
+            self.add("sent", (_peer(args, kwargs, "dst"), _nbytes(tensor)))
+            if self.keep_payloads:
+                self.add("payloads", tensor.detach().clone())
         elif name in ("recv", "irecv"):
             tensor = args[0] if args else kwargs["tensor"]
-            add("received", (_peer(args, kwargs, "src"), _nbytes(tensor)))
+            self.add("received", (_peer(args, kwargs, "src"), _nbytes(tensor)))
         else:
-            add("collectives", name)
+            self.add("collectives", name)
 
-    def timed(name, args, kwargs, call, kit=False):
+    def timed(self, name, args, kwargs, call, kit=False):
         """Call a point-to-point function, noting when its message started and ended
         (once: torch's send may call its own isend, which is the same message)."""
         if getattr(_timing, "active", False):
             return call()
         entry = [name, _peer(args, kwargs, "src" if "recv" in name else "dst"),
                  time.perf_counter(), None]  # fmt: skip
-        add("timed", entry)
+        self.add("timed", entry)
         _timing.active = True
         try:
             result = call()
@@ -164,77 +156,113 @@ def recording(kit_collectives_are_builtins: bool = True, payloads: bool = False)
             result = _TimedWait(result, entry)
         return result
 
-    def wrap_dist(name, original):
-        @functools.wraps(original)
-        def wrapper(*args, **kwargs):
-            if not getattr(_kit_call, "active", False):
-                note(name, args, kwargs)
-                if name in P2P:
-                    add("direct", f"torch.distributed.{name}")
-                    return timed(name, args, kwargs, lambda: original(*args, **kwargs))
+    def check_kept(self) -> None:
+        """Put the kept copy back in each list the learner's code changed, and say so."""
+        traffic = self.traffic
+        with self.lock:
+            for field in ("sent", "received", "collectives", "direct", "timed", "payloads"):
+                seen, mine = getattr(traffic, field), getattr(self.kept, field)
+                if len(seen) != len(mine) or any(
+                    a is not b for a, b in zip(seen, mine, strict=True)
+                ):
+                    traffic.tampered = True
+                    setattr(traffic, field, list(mine))
+
+
+def _wrap_dist(record: _Record, name, original):
+    """torch.distributed's ``original``, noting each call not made by an ok.p2p call."""
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        if not getattr(_kit_call, "active", False):
+            record.note(name, args, kwargs)
+            if name in P2P:
+                record.add("direct", f"torch.distributed.{name}")
+                return record.timed(name, args, kwargs, lambda: original(*args, **kwargs))
+        return original(*args, **kwargs)
+
+    return wrapper
+
+
+def _wrap_kit(record: _Record, name, original):
+    """The kit's ``original``, noted as one call, whatever it calls inside."""
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        if getattr(_kit_call, "active", False):  # the kit calling itself (send -> isend)
             return original(*args, **kwargs)
+        record.note(name, args, kwargs)
+        _kit_call.active = True
+        try:
+            if name in P2P:
+                return record.timed(name, args, kwargs, lambda: original(*args, **kwargs), kit=True)
+            return original(*args, **kwargs)
+        finally:
+            _kit_call.active = False
 
-        return wrapper
+    return wrapper
 
-    def wrap_kit(name, original):
-        @functools.wraps(original)
-        def wrapper(*args, **kwargs):
-            if getattr(_kit_call, "active", False):  # the kit calling itself (send -> isend)
-                return original(*args, **kwargs)
-            note(name, args, kwargs)
-            _kit_call.active = True
-            try:
-                if name in P2P:
-                    return timed(name, args, kwargs, lambda: original(*args, **kwargs), kit=True)
-                return original(*args, **kwargs)
-            finally:
-                _kit_call.active = False
 
-        return wrapper
-
+def _patch(record: _Record, kit_collectives_are_builtins: bool) -> list:
+    """Put the wrappers in place; returns the (module, name, original) to put back."""
     patched = []  # (module, name, original)
     for name in P2P + COLLECTIVES:
         original = getattr(c10d, name, None)
         if original is not None:
-            wrapped = wrap_dist(name, original)
+            wrapped = _wrap_dist(record, name, original)
             for module in (c10d, dist):
                 patched.append((module, name, getattr(module, name)))
                 setattr(module, name, wrapped)
     for name in P2P:
         patched.append((p2p, name, getattr(p2p, name)))
-        setattr(p2p, name, wrap_kit(name, getattr(p2p, name)))
+        setattr(p2p, name, _wrap_kit(record, name, getattr(p2p, name)))
     # the kit's reference collectives are built-ins too, for a from-scratch exercise
     import overlapkit
 
     from .. import collectives
 
     for name in KIT_COLLECTIVES if kit_collectives_are_builtins else ():
-        wrapped = wrap_kit(f"ok.{name}", getattr(collectives, name))
+        wrapped = _wrap_kit(record, f"ok.{name}", getattr(collectives, name))
         for module in (collectives, overlapkit):
             patched.append((module, name, getattr(module, name)))
             setattr(module, name, wrapped)
-    before, kit_before = count_ops(), kit_ops()
+    return patched
+
+
+def _note_unnamed(traffic: Traffic, count_ops, before: dict, kit_stats, kit_before: int) -> None:
+    """Add to ``traffic.collectives`` the operations since ``before`` that no name saw."""
+    # what torch's groups counted beyond the calls seen by name: a group's own
+    # allreduce, torch.ops.c10d, … (each named call and each kit message counts one)
+    ops = sum(n - before.get(g, 0) for g, n in count_ops().items())
+    named = sum(1 for c in traffic.collectives if not c.startswith("ok.")) + len(traffic.direct)
+    unnamed = ops - (kit_stats().user_group_messages - kit_before) - named
+    if unnamed > 0:
+        traffic.collectives.append(UNNAMED.format(unnamed))
+
+
+@contextlib.contextmanager
+def recording(kit_collectives_are_builtins: bool = True, payloads: bool = False):
+    """Patch torch.distributed and ok.p2p in this process; yields the :class:`Traffic` it fills.
+
+    A learner's ``ok.p2p.isend`` counts as one message, not as the header and
+    data messages the kit sends for it. A call of the kit's own collectives
+    (``ok.ring_all_reduce``, ...) counts as a built-in collective, unless
+    ``kit_collectives_are_builtins=False``: then the messages it sends count.
+    """
+    record = _Record(payloads)
+    traffic = record.traffic
+    _current.append(traffic)
+    count_ops, kit_stats = group_ops, p2p.stats  # as they are now, not as patched later
+    patched = _patch(record, kit_collectives_are_builtins)
+    before, kit_before = count_ops(), kit_stats().user_group_messages
     try:
         yield traffic
     finally:
         _current.remove(traffic)
         for module, name, original in reversed(patched):
             setattr(module, name, original)
-        with lock:
-            for field in ("sent", "received", "collectives", "direct", "timed", "payloads"):
-                seen, mine = getattr(traffic, field), getattr(kept, field)
-                if len(seen) != len(mine) or any(
-                    a is not b for a, b in zip(seen, mine, strict=True)
-                ):
-                    traffic.tampered = True
-                    setattr(traffic, field, list(mine))
-        # what torch's groups counted beyond the calls seen by name: a group's own
-        # allreduce, torch.ops.c10d, … (each named call and each kit message counts one)
-        ops = sum(n - before.get(g, 0) for g, n in count_ops().items())
-        named = sum(1 for c in traffic.collectives if not c.startswith("ok.")) + len(traffic.direct)
-        unnamed = ops - (kit_ops() - kit_before) - named
-        if unnamed > 0:
-            traffic.collectives.append(UNNAMED.format(unnamed))
+        record.check_kept()
+        _note_unnamed(traffic, count_ops, before, kit_stats, kit_before)
 
 
 #: how :func:`recording` lists operations torch's process groups ran that no name saw
