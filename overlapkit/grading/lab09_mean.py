@@ -10,13 +10,13 @@ import torch
 
 from .. import handles
 from .common import (
-    PeersReturned,
     builtin_collectives,
     refused_rank,
     wait_unless_stuck,
     worst_element,
 )
 from .mistakes import WAIT_BEFORE_READING_THE_TENSOR, never_waited
+from .peers import PeersReturned
 from .report import Report
 
 _KIT_REDUCTIONS = ("ring_all_reduce", "naive_all_reduce", "bucketed_all_reduce")

@@ -9,10 +9,10 @@ import torch
 
 from .. import handles
 from .common import (
-    PeersReturned,
     recorded_calls,
     wait_unless_stuck,
 )
+from .peers import PeersReturned
 from .report import Report
 
 # --------------------------------------------------------------------------- shared
@@ -82,7 +82,7 @@ class _Patient:
     """Counts the messages a rank posts to and from each peer, and waits for them so that
     a wait nobody can answer ends at once, not at the check's timeout: a rank that
     returned from the learner's function leaves how many messages it sent to and received
-    from each rank (:class:`~.common.PeersReturned`); a wait for the n-th message from (or
+    from each rank (:class:`~.peers.PeersReturned`); a wait for the n-th message from (or
     to) a rank that returned having sent (received) fewer can never end."""
 
     def __init__(self, me: int):

@@ -24,6 +24,7 @@ from .. import p2p, plaindata
 from ..inflight import debug_races
 from ..launcher import hide_frames_from
 from ..sandbox import answers, nofiles, nosockets, sealed
+from .peers import PeersReturned
 
 P2P = ("send", "recv", "isend", "irecv")
 COLLECTIVES = (
@@ -332,8 +333,6 @@ def _recorded(fn_bytes: bytes, args_bytes: bytes, forbid: tuple = (), payloads: 
 
 
 def _peers_returned():
-    from .common import PeersReturned  # noqa: PLC0415 - common imports this module
-
     return PeersReturned("recorded")
 
 
