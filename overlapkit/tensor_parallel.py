@@ -26,6 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import p2p
 from .collectives import chunk_bounds, ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from .ordering import _ring
 
@@ -221,8 +222,6 @@ def _row_ranges(rows: int, chunks: int, what: str) -> list[tuple[int, int]]:
 def _check_same_shapes(x, weight, group, name: str) -> None:
     """Every rank must hold a shard of the same shape (else the ring's pieces would not
     line up): refuse, naming the ranks and shapes, before any data moves."""
-    from . import p2p  # noqa: PLC0415
-
     me, world, left, right = _ring(group)
     if world == 1:
         return
@@ -250,8 +249,6 @@ def _checked_ring(x, weight, group, check: bool, name: str):
 def _finish_sends(timeline, sends) -> None:
     """Wait for the ``(name, handle, start, ...)`` sends; record each as the link saw it
     (see ``p2p.completed_at``)."""
-    from . import p2p  # noqa: PLC0415
-
     for name, handle, start, *_ in sends:
         handle.wait()
         if timeline is not None:
@@ -274,8 +271,6 @@ class _AllGatherMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, group, chunks, timeline, check):
-        from . import p2p  # noqa: PLC0415
-
         me, world, left, right = _checked_ring(x, weight, group, check, "all_gather_matmul")
         rows = x.shape[0]
         pieces = _row_ranges(rows, chunks, "input shard")
@@ -344,8 +339,6 @@ class _MatmulReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, group, chunks, timeline, check):
-        from . import p2p  # noqa: PLC0415
-
         me, world, left, right = _checked_ring(x, weight, group, check, "matmul_reduce_scatter")
         if x.shape[0] % world:
             raise ValueError(
