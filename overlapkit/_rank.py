@@ -32,7 +32,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from . import handles, machine, p2p, plaindata
+from . import handles, p2p, plaindata
 
 #: faulthandler marks each dump with this header; the caller looks for it.
 DUMP_SIGNAL = signal.SIGUSR1
@@ -184,11 +184,7 @@ def main(spec: RankSpec, rank: int, conn, heard=None) -> None:
     # takes the caller's environment of *this* launch, exactly (NCCL_DEBUG set later, a
     # CUDA_VISIBLE_DEVICES unset since: CUDA reads it at the rank's first CUDA call).
     os.environ.clear()
-    os.environ.update(spec.env)
-    # gloo and NCCL listen on loopback only, unless the caller chose an interface; decided
-    # from the launch's environment, not os.environ, which still holds variables the
-    # caller has unset since the forkserver started
-    os.environ.update(machine.socket_env(spec.env))
+    os.environ.update(spec.env)  # with the interface gloo and NCCL listen on (the launcher's)
     os.environ.update(
         {
             "LOCAL_RANK": str(rank),
