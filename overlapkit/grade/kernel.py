@@ -118,15 +118,17 @@ def execute(student: nbformat.NotebookNode, names: list[str], folder: str, cell_
 
 def _execute(nb, harvest, labels, folder, cell_limit, total_limit, env):
     """execute()'s kernel: the cells under their limits, then the harvest's findings."""
-    from jupyter_client.manager import KernelManager  # noqa: PLC0415
+    from jupyter_client.manager import AsyncKernelManager  # noqa: PLC0415
     from nbclient import NotebookClient  # noqa: PLC0415
 
     before = descendants()
     with tempfile.TemporaryDirectory(prefix="overlapkit-kernel-") as home:
         # the kernel talks to us over Unix sockets in its own folder, not over TCP: nothing
         # else on the machine can connect to it (and ipykernel has no plain-TCP warning to
-        # print); the path is absolute, as kernel and client resolve it from other folders
-        km = KernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(home, "k"))
+        # print); the path is absolute, as kernel and client resolve it from other folders.
+        # An async manager, as nbclient's own: a blocking client's wait for a reply would
+        # hold the event loop, and with it the check that notices a kernel ended
+        km = AsyncKernelManager(kernel_name="python3", transport="ipc", ip=os.path.join(home, "k"))
         # no timeout of nbclient's own: the watchdog interrupts, then ends the kernel (after
         # its first timeout nbclient stops watching whether the kernel lives, and a killed
         # kernel was noticed only when its wait for a reply ran out a second time)
