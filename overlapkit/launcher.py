@@ -166,7 +166,8 @@ def _spec(payload: bytes, world_size: int, backend: str, threads: int, timeout, 
         threads=threads,
         timeout_s=timeout if timeout is not None else 3600.0,
         # gloo and NCCL listen on loopback only, unless the caller chose an interface:
-        # worked out here, once, not in each rank (finding it imports psutil: ~25 ms a rank)
+        # worked out here, once a launch, not in each rank (finding it imports psutil:
+        # ~25 ms a rank)
         env={**os.environ, **machine.socket_env(os.environ)},
         link=link,
         shm_dir=shm_dir,

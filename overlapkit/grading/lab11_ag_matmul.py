@@ -121,9 +121,11 @@ def _landing_when_waited(handle, private: torch.Tensor, tensor: torch.Tensor):
 class _Products(torch.overrides.TorchFunctionMode):
     """Marks each matrix product in ``log``; keeps its row blocks and whether one held NaN."""
 
-    def __init__(self, log: _Log, operands: list, nan_operands: list):
+    def __init__(self, log: _Log):
         super().__init__()
-        self.log, self.operands, self.nan_operands = log, operands, nan_operands
+        self.log = log
+        self.operands: list = []  # the row blocks seen in a product (the checker tells whose)
+        self.nan_operands: list = []  # products of a tensor holding NaN (a receive read early)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         product = getattr(func, "__name__", "") in _PRODUCTS
@@ -151,14 +153,13 @@ def _run_ag(ag_matmul, seed: int):
     del seed
     log = _Log()
     messages = _Messages(log, _Patient(me), ok.p2p.isend, ok.p2p.irecv)
-    operands: list = []  # the row blocks seen in a product (the checker tells whose)
-    nan_operands: list = []  # products of a tensor holding NaN (a receive read before its wait)
+    products = _Products(log)
     handles.take_unwaited()
     ok.p2p.isend, ok.p2p.irecv = messages.isend, messages.irecv
     stuck = None
     try:
         with (_forbidden(_AG_FORBIDDEN) as called, _builtins() as builtin,
-              _Products(log, operands, nan_operands)):  # fmt: skip
+              products):  # fmt: skip
             got = ag_matmul(x, weight)
     except _Stuck as exc:
         got, stuck = None, exc.args
@@ -170,8 +171,8 @@ def _run_ag(ag_matmul, seed: int):
         "aliased": messages.aliased,
         "unwaited": handles.take_unwaited(),
         "stuck": stuck,
-        "operands": operands,
-        "nan_operand": bool(nan_operands),
+        "operands": products.operands,
+        "nan_operand": bool(products.nan_operands),
     }
 
 

@@ -324,16 +324,12 @@ def _recorded(fn_bytes: bytes, args_bytes: bytes, forbid: tuple = (), payloads: 
     # the check named a hang, not the unwaited handle, one run in a few on a loaded
     # machine: each rank stays until every peer has returned (made before the learner's
     # function runs, told after it ends: outside anything a check counts)
-    peers = _peers_returned() if sealed else None
+    peers = PeersReturned("recorded") if sealed else None
     try:
         return _run_recording(fn_bytes, args_bytes, forbid, payloads, mine)
     finally:
         if peers is not None:
             peers.post(_rank(), {})
-
-
-def _peers_returned():
-    return PeersReturned("recorded")
 
 
 def _run_recording(fn_bytes, args_bytes, forbid, payloads, mine):

@@ -30,7 +30,6 @@ import cloudpickle
 
 from .. import plaindata
 from . import forwarded
-from .forwarded import watching
 
 #: a single-process exercise's call on its rank: microseconds of work, but a rank that
 #: starts beside a loaded machine's other work (load 7 on 2 cores) once took over 30 s
@@ -186,7 +185,7 @@ def recorded_calls(root, names, prefix: str = ""):
         setattr(owner, attr, recorder)
     try:
         # a sealed student function called meanwhile records the same on its own rank
-        with watching(("attr", root.__name__, list(names), prefix), called):
+        with forwarded.watching(("attr", root.__name__, list(names), prefix), called):
             yield called
     finally:
         for owner, attr, original in saved:
