@@ -19,11 +19,11 @@ PYTEST_WORKERS ?= 4
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 LINTED := overlapkit tests solutions
 
-.PHONY: venv lab test soak lint demo bench labs record gpu-check browser-deps clean
+.PHONY: venv lab test soak lint demo bench labs record book gpu-check browser-deps clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --disable-pip-version-check --no-compile $(PIP_ARGS) -e '.[lab,test]'
+	$(BIN)/python -m pip install --disable-pip-version-check --no-compile $(PIP_ARGS) -e '.[lab,test,book]'
 	@# pip byte-compiles what it installs on one core (~50 s of torch's modules here);
 	@# compileall uses every core (~29 s). Modules that do not compile on this Python (torch's
 	@# tests for newer ones) are left, as pip leaves them: hence `|| true`.
@@ -61,6 +61,12 @@ bench: $(STAMP)
 ## Regenerate labs/ from solutions/ (after editing a solution notebook).
 labs: $(STAMP)
 	$(BIN)/python -m overlapkit.labgen generate solutions labs
+
+## The course book, both editions (build/book/students, build/book/instructors) and every
+## figure as SVG and PNG (build/book/figures): executes only the solution notebooks changed
+## since they were last executed (the test run leaves them executed in build/executed).
+book: $(STAMP)
+	$(BIN)/python -m overlapkit.bookgen
 
 ## Re-execute solution notebooks and store the outputs that nbval compares.
 record: $(STAMP)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 import torch
 
 from overlapkit import launcher
+from tests import executed_copies
 
 INFRASTRUCTURE = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
 
@@ -109,16 +111,23 @@ LONG_FIRST = ("test_browser.py", "test_notebooks.py", "test_grade.py", "test_gra
               "test_grade_identity.py", "test_grade_layouts.py", "test_cli.py")  # fmt: skip
 
 
+#: tests that read what the whole run produced (the book is built from the executed notebooks)
+LAST = ("test_book.py::test_every_page_of_both_editions",)
+
+
 def _start_order(item) -> int:
     path = item.nodeid.split("::", 1)[0]
     name = path.rsplit("/", 1)[-1]
     if path.endswith(".ipynb"):
         return 0
+    if any(last in item.nodeid for last in LAST):
+        return 2 + len(LONG_FIRST)
     return 1 + LONG_FIRST.index(name) if name in LONG_FIRST else 1 + len(LONG_FIRST)
 
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_start_order)  # stable: within a file, its own order
+    executed_copies.watch(items, EXECUTED)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (run scripts/gpu_check.sh on a GPU machine)")
@@ -201,3 +210,13 @@ def labs(tmp_path):
     from tests.tinylab import write_lab  # noqa: PLC0415
 
     return write_lab(tmp_path / "labs")
+
+
+#: where the solution notebooks land executed, for the course book (tests/executed_copies.py)
+EXECUTED = Path(__file__).resolve().parent.parent / "build" / "executed"
+
+
+def pytest_configure(config):
+    executed_copies.use_figure_formats()
+    if not hasattr(config, "workerinput"):  # once, in the process that starts the workers
+        executed_copies.forget_failures(EXECUTED)

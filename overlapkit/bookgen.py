@@ -1,0 +1,315 @@
+"""The course book: the solution notebooks, executed, beside ``book/``'s pages, built by Sphinx.
+
+Two editions from one set of sources::
+
+    solutions/NN_*.ipynb ──execute──► build/executed/NN_*.ipynb (kept while the source is unchanged)
+                                         │
+          students' view ◄───────────────┴───────────────► instructors' view
+          (exercise cells as in labs/,                      (the answers, with their outputs)
+           every other output kept)
+                  │                                                  │
+    build/book-src/students/: index, book/ but instructors/    build/book-src/instructors/: all
+                  │        sphinx-build (MyST-NB, nothing executed)  │
+                  ▼                                                  ▼
+    build/book/students/index.html                  build/book/instructors/index.html
+                         build/book/figures/labNN/*.svg|png (+ alt text)
+
+An executed copy records the SHA-256 of the solution it came from, so a changed solution is
+executed again and an unchanged one never: the test run's nbval kernels write these copies as
+they go (tests/executed_copies.py), so the book built after the tests executes nothing. The
+kernel draws every figure as PNG and SVG (the SVG for an instructor's slides).
+
+    python -m overlapkit.bookgen [--edition students|instructors|both] [--no-execute]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import copy
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import nbformat
+
+from overlapkit.labgen import _DIRECTIVE, has_exercise, lab_cell_source
+
+ROOT = Path(__file__).resolve().parent.parent
+EDITIONS = ("students", "instructors")
+#: pages only the instructors' edition carries (relative to book/)
+INSTRUCTORS_ONLY = ("instructors", "grading.md")
+KERNEL_CONFIG = 'c.InlineBackend.figure_formats = {"png", "svg"}\n'
+META = "overlapkit-book"
+
+
+def source_key(solution: Path) -> str:
+    """What an executed copy must have been executed from: the solution file's SHA-256."""
+    return hashlib.sha256(solution.read_bytes()).hexdigest()
+
+
+def is_current(copy_path: Path, solution: Path) -> bool:
+    if not copy_path.exists():
+        return False
+    nb = json.loads(copy_path.read_text(encoding="utf-8"))
+    return nb.get("metadata", {}).get(META, {}).get("source") == source_key(solution)
+
+
+def mark_executed(nb, solution: Path, by: str) -> None:
+    nb.metadata[META] = {"source": source_key(solution), "executed_by": by}
+
+
+def kernel_env(base: dict | None = None) -> dict:
+    """Environment for a kernel that draws figures as PNG and SVG: an IPython profile of its own
+    (IPYTHONDIR), so a learner's own profile is neither read nor changed."""
+    env = dict(os.environ if base is None else base)
+    profile = Path(tempfile.gettempdir()) / "overlapkit-book-ipython"
+    config = profile / "profile_default" / "ipython_kernel_config.py"
+    if not config.exists() or config.read_text() != KERNEL_CONFIG:
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(KERNEL_CONFIG)
+    env["IPYTHONDIR"] = str(profile)
+    return env
+
+
+def _execute_one(solution: Path, target: Path, timeout: int) -> None:
+    """(In a process of its own.) Execute ``solution`` and write the executed copy to ``target``."""
+    from nbclient import NotebookClient  # noqa: PLC0415
+
+    nb = nbformat.read(solution, as_version=4)
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                            resources={"metadata": {"path": str(solution.parent)}})  # fmt: skip
+    client.execute()
+    mark_executed(nb, solution, "bookgen")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, target)
+
+
+def execute_stale(
+    solutions: list[Path], executed: Path, jobs: int = 2, timeout: int = 300
+) -> list[str]:
+    """Execute every solution whose copy is missing or stale, ``jobs`` at a time; returns the
+    names that failed (each with the end of its error)."""
+    stale = [s for s in solutions if not is_current(executed / s.name, s)]
+    print(
+        f"book: {len(solutions) - len(stale)} executed notebooks current, {len(stale)} to execute"
+    )
+    running: list[tuple[Path, subprocess.Popen, float]] = []
+    failed = []
+    env = kernel_env()
+    queue = list(stale)
+    while queue or running:
+        while queue and len(running) < jobs:
+            s = queue.pop(0)
+            cmd = [sys.executable, "-m", "overlapkit.bookgen", "--execute-one", str(s),
+                   str(executed / s.name), "--timeout", str(timeout)]  # fmt: skip
+            proc = subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+            running.append((s, proc, time.perf_counter()))
+        time.sleep(0.2)
+        for item in list(running):
+            s, proc, started = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            out = proc.stdout.read()
+            took = time.perf_counter() - started
+            if proc.returncode:
+                failed.append(
+                    f"{s.name}: {out.strip().splitlines()[-1] if out.strip() else proc.returncode}"
+                )
+                print(f"book: {s.name} FAILED after {took:.0f} s")
+            else:
+                print(f"book: {s.name} executed in {took:.0f} s")
+    return failed
+
+
+def students_view(nb):
+    """The executed solution as a learner may see it: every exercise region as in labs/ (its
+    cell's outputs dropped, since they come from the answer); every other output kept."""
+    nb = copy.deepcopy(nb)
+    for i, cell in enumerate(nb.cells):
+        answer = has_exercise(cell.source) or "### BEGIN HIDDEN TESTS" in cell.source
+        cell.source = lab_cell_source(cell.source, cell.cell_type, f"cell {i}")
+        if cell.cell_type == "code" and answer:
+            cell.outputs = []
+            cell.execution_count = None
+    return nb
+
+
+def instructors_view(nb):
+    """The executed solution with the test run's directives (``# NBVAL_…``) taken out."""
+    nb = copy.deepcopy(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.source = "\n".join(x for x in cell.source.split("\n") if not _DIRECTIVE.match(x))
+    return nb
+
+
+def _lab_title(nb, fallback: str) -> str:
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                if line.startswith("# "):
+                    return line[2:].strip()
+    return fallback
+
+
+def index_page(edition: str, labs: list[str], pages: set[str]) -> str:
+    """The edition's root page: its table of contents."""
+
+    def toc(caption: str, entries: list[str]) -> str:
+        present = [e for e in entries if e.endswith("*") or e in pages]
+        if not present:
+            return ""
+        return (
+            f"```{{toctree}}\n:caption: {caption}\n:maxdepth: 1\n\n"
+            + "\n".join(present)
+            + "\n```\n\n"
+        )
+
+    title = "overlapkit: the course book" + (
+        " (instructors' edition)" if edition == "instructors" else ""
+    )
+    text = f"# {title}\n\n"
+    if "book/intro" in pages:
+        text += "```{include} book/intro.md\n:start-line: 1\n```\n\n"
+    text += toc(
+        "Lecture notes",
+        ["book/notes/index"] + sorted(p for p in pages if p.startswith("book/notes/0")),
+    )
+    text += toc("Labs", [f"labs/{name}" for name in labs])
+    text += toc("Reference", ["book/glossary", "book/api", "book/gpus"])
+    if edition == "instructors":
+        guide = sorted(
+            p for p in pages if p.startswith("book/instructors/") and p != "book/instructors/index"
+        )
+        text += toc("For instructors", ["book/instructors/index", *guide, "book/grading"])
+    return text
+
+
+def stage(edition: str, executed: Path, staging: Path, book: Path = ROOT / "book") -> list[str]:
+    """Lay out one edition's sources in ``staging`` (emptied first); returns the labs' names."""
+    if staging.exists():
+        shutil.rmtree(staging)
+    target = staging / "book"
+    skip = set(INSTRUCTORS_ONLY) if edition == "students" else set()
+    ignore = shutil.ignore_patterns("conf.py", "_build", "__pycache__", *skip)
+    shutil.copytree(book, target, ignore=ignore)
+    labs = []
+    view = students_view if edition == "students" else instructors_view
+    for copy_path in sorted(executed.glob("*.ipynb")):
+        nb = view(nbformat.read(copy_path, as_version=4))
+        (staging / "labs").mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, staging / "labs" / copy_path.name)
+        labs.append(copy_path.stem)
+    pages = {
+        str(p.relative_to(staging).with_suffix(""))
+        for p in staging.rglob("*")
+        if p.suffix in (".md", ".ipynb")
+    }
+    (staging / "index.md").write_text(index_page(edition, labs, pages), encoding="utf-8")
+    return labs
+
+
+def sphinx_build(staging: Path, out: Path, edition: str, conf: Path = ROOT / "book") -> None:
+    """Build one edition; a warning is an error (a broken link or a missing anchor fails it)."""
+    title = f"html_title=overlapkit ({edition})"
+    cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W", "--keep-going",
+           "-c", str(conf), "-D", title, str(staging), str(out)]  # fmt: skip
+    env = dict(os.environ, OVERLAPKIT_BOOK_EDITION=edition)
+    if subprocess.run(cmd, env=env).returncode:
+        raise SystemExit(
+            f"book: sphinx could not build the {edition} edition (its messages are above)"
+        )
+
+
+def _alt(cell) -> str:
+    return cell.metadata.get("mystnb", {}).get("image", {}).get("alt", "")
+
+
+def export_figures(executed: Path, out: Path) -> int:
+    """Every figure of every executed lab as PNG and SVG, one folder per lab, with its alt text
+    in the folder's README.md; returns the number of figures."""
+    if out.exists():
+        shutil.rmtree(out)
+    count = 0
+    for copy_path in sorted(executed.glob("*.ipynb")):
+        nb = nbformat.read(copy_path, as_version=4)
+        folder = out / f"lab{copy_path.name[:2]}"
+        lines = [f"# Figures of {copy_path.stem}\n"]
+        for i, cell in enumerate(nb.cells):
+            images = [o for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
+            for k, output in enumerate(images):
+                stem = f"cell{i:02d}-{k + 1}"
+                folder.mkdir(parents=True, exist_ok=True)
+                (folder / f"{stem}.png").write_bytes(base64.b64decode(output["data"]["image/png"]))
+                svg = output["data"].get("image/svg+xml")
+                if svg:
+                    (folder / f"{stem}.svg").write_text(
+                        svg if isinstance(svg, str) else "".join(svg)
+                    )
+                alt = _alt(cell) or "(no alt text: add cell metadata mystnb.image.alt)"
+                lines.append(f"- `{stem}.svg` / `{stem}.png` (cell {i}): {alt}")
+                count += 1
+        if len(lines) > 1:
+            (folder / "README.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return count
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m overlapkit.bookgen", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--edition", choices=(*EDITIONS, "both"), default="both")
+    p.add_argument("--solutions", type=Path, default=ROOT / "solutions")
+    p.add_argument("--executed", type=Path, default=ROOT / "build" / "executed")
+    p.add_argument("--out", type=Path, default=ROOT / "build" / "book")
+    p.add_argument("--no-execute", action="store_true",
+                   help="fail where an executed copy is missing or stale")  # fmt: skip
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--timeout", type=int, default=300)
+    p.add_argument(
+        "--execute-one", nargs=2, type=Path, metavar=("SOLUTION", "TARGET"), help=argparse.SUPPRESS
+    )
+    args = p.parse_args(argv)
+    if args.execute_one:
+        _execute_one(*args.execute_one, timeout=args.timeout)
+        return 0
+    solutions = sorted(args.solutions.glob("*.ipynb"))
+    if args.no_execute:
+        stale = [s.name for s in solutions if not is_current(args.executed / s.name, s)]
+        if stale:
+            print(f"book: no current executed copy of {', '.join(stale)} in {args.executed} "
+                  "(run the tests or `make book`)", file=sys.stderr)  # fmt: skip
+            return 1
+    else:
+        failed = execute_stale(solutions, args.executed, args.jobs, args.timeout)
+        if failed:
+            print("book: these notebooks failed:\n  " + "\n  ".join(failed), file=sys.stderr)
+            return 1
+    for stray in set(p.name for p in args.executed.glob("*.ipynb")) - {s.name for s in solutions}:
+        (args.executed / stray).unlink()  # a solution removed since: its page goes too
+    editions = EDITIONS if args.edition == "both" else (args.edition,)
+    for edition in editions:
+        started = time.perf_counter()
+        staging = args.out.parent / "book-src" / edition
+        labs = stage(edition, args.executed, staging)
+        sphinx_build(staging, args.out / edition, edition)
+        took = time.perf_counter() - started
+        print(f"book: {edition} edition, {len(labs)} labs, in {took:.0f} s: "
+              f"{args.out / edition / 'index.html'}")  # fmt: skip
+    figures = export_figures(args.executed, args.out / "figures")
+    print(f"book: {figures} figures as SVG and PNG in {args.out / 'figures'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

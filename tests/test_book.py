@@ -1,0 +1,218 @@
+"""The course book: what each edition shows, and every page opened in Chromium, offline.
+
+The browser test builds both editions from the notebooks this test run executed (nbval's
+kernels leave them in build/executed/, see tests/executed_copies.py), so it runs after them
+(conftest orders it last) and waits for any still running on another worker.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from overlapkit import bookgen
+from overlapkit.labgen import has_exercise, make_lab
+from tests import executed_copies
+from tests.conftest import EXECUTED
+
+ROOT = Path(__file__).resolve().parent.parent
+SOLUTIONS = sorted((ROOT / "solutions").glob("*.ipynb"))
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+WAIT_LIMIT_S = 900  # for notebooks still running on other workers
+
+
+def _with_outputs(nb):
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"out {i}\n")]
+    return nb
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem[:2])
+def test_the_students_view_of_a_lab_shows_no_answer_and_every_other_output(solution):
+    executed = _with_outputs(nbformat.read(solution, as_version=4))
+    view = bookgen.students_view(executed)
+    lab = make_lab(nbformat.read(solution, as_version=4), solution.name)
+    assert [c.source for c in view.cells] == [c.source for c in lab.cells]
+    for original, shown in zip(executed.cells, view.cells, strict=True):
+        if original.cell_type != "code":
+            continue
+        answer = has_exercise(original.source) or "BEGIN HIDDEN TESTS" in original.source
+        assert shown.outputs == ([] if answer else original.outputs), original.source[:80]
+
+
+def test_the_instructors_view_keeps_the_answers_without_the_test_runs_directives():
+    solution = next(s for s in SOLUTIONS if "# NBVAL_IGNORE_OUTPUT" in s.read_text())
+    view = bookgen.instructors_view(nbformat.read(solution, as_version=4))
+    text = "\n".join(c.source for c in view.cells)
+    assert "### BEGIN SOLUTION" in text and "NBVAL_IGNORE_OUTPUT" not in text
+
+
+def test_a_changed_solution_is_executed_again(tmp_path):
+    solution = tmp_path / "00_x.ipynb"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(1)")])
+    nbformat.write(nb, solution)
+    copy_path = tmp_path / "executed" / solution.name
+    assert not bookgen.is_current(copy_path, solution)
+    bookgen.mark_executed(nb, solution, "test")
+    copy_path.parent.mkdir()
+    nbformat.write(nb, copy_path)
+    assert bookgen.is_current(copy_path, solution)
+    solution.write_text(solution.read_text().replace("print(1)", "print(2)"))
+    assert not bookgen.is_current(copy_path, solution)
+
+
+def _tiny_book(tmp_path) -> tuple[Path, Path]:
+    book = tmp_path / "book"
+    for page in ("intro.md", "glossary.md", "grading.md", "notes/01-collectives.md",
+                 "instructors/index.md", "instructors/lab00.md"):  # fmt: skip
+        (book / page).parent.mkdir(parents=True, exist_ok=True)
+        (book / page).write_text(f"# {page}\n")
+    (book / "conf.py").write_text("")
+    executed = tmp_path / "executed"
+    executed.mkdir()
+    nbformat.write(
+        _with_outputs(nbformat.read(SOLUTIONS[0], as_version=4)), executed / SOLUTIONS[0].name
+    )
+    return book, executed
+
+
+def test_the_students_edition_leaves_out_the_instructors_pages(tmp_path):
+    book, executed = _tiny_book(tmp_path)
+    bookgen.stage("students", executed, tmp_path / "s", book)
+    bookgen.stage("instructors", executed, tmp_path / "i", book)
+    assert (
+        not (tmp_path / "s/book/instructors").exists()
+        and not (tmp_path / "s/book/grading.md").exists()
+    )
+    assert not (tmp_path / "s/book/conf.py").exists()
+    assert "For instructors" not in (tmp_path / "s/index.md").read_text()
+    index = (tmp_path / "i/index.md").read_text()
+    assert "book/instructors/lab00" in index and "book/grading" in index
+    assert f"labs/{SOLUTIONS[0].stem}" in (tmp_path / "s/index.md").read_text()
+    lab = (tmp_path / "s/labs" / SOLUTIONS[0].name).read_text()
+    assert "### BEGIN SOLUTION" not in lab
+
+
+def test_every_figure_is_exported_as_svg_and_png_with_its_alt_text(tmp_path):
+    png = base64.b64encode(b"\x89PNG\r\n\x1a\n").decode()
+    cell = nbformat.v4.new_code_cell("draw()", metadata={"mystnb": {"image": {"alt": "two bars"}}})
+    cell.outputs = [
+        nbformat.v4.new_output("display_data", data={"image/png": png, "image/svg+xml": "<svg/>"})
+    ]
+    executed = tmp_path / "executed"
+    executed.mkdir()
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), executed / "03_ring.ipynb")
+    assert bookgen.export_figures(executed, tmp_path / "figures") == 1
+    folder = tmp_path / "figures/lab03"
+    assert (folder / "cell00-1.svg").read_text() == "<svg/>"
+    assert (folder / "cell00-1.png").read_bytes().startswith(b"\x89PNG")
+    assert "two bars" in (folder / "README.md").read_text()
+
+
+# ---- the built book, in Chromium ----------------------------------------------------------
+
+
+def _executed_copies_or_skip() -> None:
+    """Wait for this run's notebooks (other workers execute them); without them in this run,
+    use copies left by an earlier one when current."""
+    running = executed_copies.collected()
+    deadline = time.monotonic() + WAIT_LIMIT_S
+    while True:
+        missing = [s for s in SOLUTIONS if not bookgen.is_current(EXECUTED / s.name, s)]
+        failed = [
+            s.name for s in missing if executed_copies.failed_marker(EXECUTED, s.name).exists()
+        ]
+        if not missing:
+            return
+        if failed:
+            pytest.skip(f"no book: {', '.join(failed)} failed under nbval in this run")
+        if not {s.name for s in missing} <= running:
+            names = ", ".join(s.name for s in missing)
+            pytest.skip(f"no current executed copy of {names}: run the tests with "
+                        "`--nbval solutions` (as `make test` does) or `make book`")  # fmt: skip
+        if time.monotonic() > deadline:
+            pytest.fail(f"{len(missing)} notebooks still not executed after {WAIT_LIMIT_S} s")
+        time.sleep(2)
+
+
+def _image_outputs(nb) -> int:
+    return sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
+
+
+@pytest.fixture(scope="module")
+def book(tmp_path_factory):
+    _executed_copies_or_skip()
+    out = tmp_path_factory.mktemp("book")
+    cmd = [sys.executable, "-m", "overlapkit.bookgen", "--no-execute", "--out", str(out / "book")]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return out / "book"
+
+
+@pytest.mark.browser
+@pytest.mark.timeout(WAIT_LIMIT_S + 300)
+def test_every_page_of_both_editions_opens_offline_with_every_figure(book):
+    pytest.importorskip("playwright.sync_api")
+    if CHROMIUM is None:
+        pytest.skip("Debian's chromium is not installed: run `make browser-deps`, as CI does")
+    from playwright.sync_api import sync_playwright
+
+    report = {}
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                     args=["--no-sandbox", "--disable-dev-shm-usage"])  # fmt: skip
+        try:
+            for edition in bookgen.EDITIONS:
+                report[edition] = _open_every_page(chromium, book / edition, edition)
+        finally:
+            chromium.close()
+    print(json.dumps(report, indent=1))
+    students, instructors = report["students"], report["instructors"]
+    assert students["pages"] >= len(SOLUTIONS) + 3 and instructors["pages"] > students["pages"]
+
+
+def _open_every_page(chromium, site: Path, edition: str) -> dict:
+    page = chromium.new_page()
+    problems: list[str] = []
+    outside: list[str] = []
+    page.on("pageerror", lambda e: problems.append(f"script error: {e}"))
+    page.on(
+        "console", lambda m: problems.append(f"console: {m.text}") if m.type == "error" else None
+    )
+    page.route("**/*", lambda r: r.continue_() if r.request.url.startswith("file:")
+               else (outside.append(r.request.url), r.abort()))  # fmt: skip
+    view = bookgen.students_view if edition == "students" else bookgen.instructors_view
+    pages = sorted(
+        p for p in site.rglob("*.html") if p.name not in ("genindex.html", "search.html")
+    )
+    figures = {}
+    for html in pages:
+        where = html.relative_to(site)
+        page.goto(html.as_uri(), wait_until="load")
+        shown = page.evaluate(
+            "() => [...document.querySelectorAll('.cell_output img')]"
+            ".filter(i => i.naturalWidth > 0).length"
+        )
+        if where.parts[0] == "labs":
+            executed = view(nbformat.read(EXECUTED / f"{html.stem}.ipynb", as_version=4))
+            drawn = _image_outputs(executed)
+            assert shown >= drawn, (
+                f"{edition}: {where} shows {shown} figures of the {drawn} its notebook draws"
+            )
+            assert drawn >= 1 or edition == "students", f"{where}: its notebook draws no figure"
+            figures[html.stem[:2]] = shown
+        if page.locator("span.math, div.math").count():
+            page.wait_for_function("() => window.MathJax && MathJax.isReady", timeout=15_000)
+        assert not problems, f"{edition}: {where}: " + "; ".join(problems)
+        assert not outside, f"{edition}: {where} asked the network for {outside}"
+    page.close()
+    return {"pages": len(pages), "figures per lab page": figures}
