@@ -25,7 +25,7 @@ parameters after two SGD steps must equal one process's. Two more cases are draw
 random each time (3–40 units, prefetch 1–6), so a table of plans for the fixed cases
 fails. (What no check in a learner's process rules out: a table of every drawable case
 computed before the check with the kit's own code, at the notebook's top level, where no
-watch runs. The README's threat model names it.)
+watch runs. The grading guide's threat model, book/grading.md, names it.)
 """
 
 from __future__ import annotations
