@@ -37,7 +37,7 @@ html_static_path = []
 
 # MathJax 2 from jupyter-server-mathjax, copied into the build (see below)
 MATHJAX = Path(jupyter_server_mathjax.__file__).parent / "static"
-mathjax_path = "mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML"
+mathjax_path = "mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full"
 
 
 def _copy_mathjax(app, exception):

@@ -30,6 +30,7 @@ import copy
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -179,8 +180,7 @@ def index_page(edition: str, labs: list[str], pages: set[str]) -> str:
         " (instructors' edition)" if edition == "instructors" else ""
     )
     text = f"# {title}\n\n"
-    if "book/intro" in pages:
-        text += "```{include} book/intro.md\n:start-line: 1\n```\n\n"
+    text += toc("Start here", ["book/intro"])
     text += toc(
         "Lecture notes",
         ["book/notes/index"] + sorted(p for p in pages if p.startswith("book/notes/0")),
@@ -195,6 +195,17 @@ def index_page(edition: str, labs: list[str], pages: set[str]) -> str:
     return text
 
 
+#: a Markdown link to a page only the instructors' edition carries
+_TO_INSTRUCTORS = re.compile(
+    r"\[([^\]]+)\]\((?![a-z]+:)[^)]*?(?:instructors/[^)]*|grading\.md[^)]*)\)"
+)
+
+
+def _unlinked(text: str) -> str:
+    """The students' edition keeps the words of a link to an instructors' page, not the link."""
+    return _TO_INSTRUCTORS.sub(r"\1 (in the instructors' edition)", text)
+
+
 def stage(edition: str, executed: Path, staging: Path, book: Path = ROOT / "book") -> list[str]:
     """Lay out one edition's sources in ``staging`` (emptied first); returns the labs' names."""
     if staging.exists():
@@ -203,6 +214,9 @@ def stage(edition: str, executed: Path, staging: Path, book: Path = ROOT / "book
     skip = set(INSTRUCTORS_ONLY) if edition == "students" else set()
     ignore = shutil.ignore_patterns("conf.py", "_build", "__pycache__", *skip)
     shutil.copytree(book, target, ignore=ignore)
+    if edition == "students":
+        for page in target.rglob("*.md"):
+            page.write_text(_unlinked(page.read_text(encoding="utf-8")), encoding="utf-8")
     labs = []
     view = students_view if edition == "students" else instructors_view
     for copy_path in sorted(executed.glob("*.ipynb")):
