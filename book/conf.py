@@ -33,11 +33,29 @@ html_theme_options = {
     "use_download_button": True,
     "announcement": "Instructors' edition: answers included." if edition == "instructors" else "",
 }
+html_context = {"default_mode": "light"}  # (the theme's switch still offers dark)
 html_static_path = []
 
 # MathJax 2 from jupyter-server-mathjax, copied into the build (see below)
 MATHJAX = Path(jupyter_server_mathjax.__file__).parent / "static"
 mathjax_path = "mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full"
+# the package carries the STIX-Web fonts only (as Jupyter uses them): no image fonts, no others
+mathjax2_config = {
+    "HTML-CSS": {
+        "availableFonts": ["STIX-Web"],
+        "preferredFont": "STIX-Web",
+        "webFont": "STIX-Web",
+        "imageFont": None,
+    },
+    # MyST marks the page's text "mathjax_ignore" and its math "math": only the math is typeset
+    "tex2jax": {
+        "inlineMath": [["\\(", "\\)"]],
+        "displayMath": [["\\[", "\\]"]],
+        "processEscapes": True,
+        "ignoreClass": "tex2jax_ignore|mathjax_ignore",
+        "processClass": "tex2jax_process|mathjax_process|math|output_area",
+    },
+}
 
 
 def _copy_mathjax(app, exception):

@@ -8,10 +8,14 @@ kernels leave them in build/executed/, see tests/executed_copies.py), so it runs
 from __future__ import annotations
 
 import base64
+import contextlib
+import functools
+import http.server
 import json
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -144,8 +148,12 @@ def _executed_copies_or_skip() -> None:
         time.sleep(2)
 
 
+def _image_outputs_of(cell) -> int:
+    return sum("image/png" in o.get("data", {}) for o in cell.get("outputs", []))
+
+
 def _image_outputs(nb) -> int:
-    return sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
+    return sum(_image_outputs_of(c) for c in nb.cells)
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +164,26 @@ def book(tmp_path_factory):
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     return out / "book"
+
+
+@contextlib.contextmanager
+def _served(site: Path):
+    """The built book over HTTP on 127.0.0.1, as a web server would publish it."""
+    handler = functools.partial(_QuietHandler, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
 
 
 @pytest.mark.browser
@@ -172,7 +200,8 @@ def test_every_page_of_both_editions_opens_offline_with_every_figure(book):
                                      args=["--no-sandbox", "--disable-dev-shm-usage"])  # fmt: skip
         try:
             for edition in bookgen.EDITIONS:
-                report[edition] = _open_every_page(chromium, book / edition, edition)
+                with _served(book / edition) as url:
+                    report[edition] = _open_every_page(chromium, book / edition, url, edition)
         finally:
             chromium.close()
     print(json.dumps(report, indent=1))
@@ -180,7 +209,7 @@ def test_every_page_of_both_editions_opens_offline_with_every_figure(book):
     assert students["pages"] >= len(SOLUTIONS) + 3 and instructors["pages"] > students["pages"]
 
 
-def _open_every_page(chromium, site: Path, edition: str) -> dict:
+def _open_every_page(chromium, site: Path, url: str, edition: str) -> dict:
     page = chromium.new_page()
     problems: list[str] = []
     outside: list[str] = []
@@ -188,7 +217,7 @@ def _open_every_page(chromium, site: Path, edition: str) -> dict:
     page.on(
         "console", lambda m: problems.append(f"console: {m.text}") if m.type == "error" else None
     )
-    page.route("**/*", lambda r: r.continue_() if r.request.url.startswith("file:")
+    page.route("**/*", lambda r: r.continue_() if r.request.url.startswith(url)
                else (outside.append(r.request.url), r.abort()))  # fmt: skip
     view = bookgen.students_view if edition == "students" else bookgen.instructors_view
     pages = sorted(
@@ -197,7 +226,7 @@ def _open_every_page(chromium, site: Path, edition: str) -> dict:
     figures = {}
     for html in pages:
         where = html.relative_to(site)
-        page.goto(html.as_uri(), wait_until="load")
+        page.goto(url + where.as_posix(), wait_until="load")
         shown = page.evaluate(
             "() => [...document.querySelectorAll('.cell_output img')]"
             ".filter(i => i.naturalWidth > 0).length"
@@ -209,9 +238,15 @@ def _open_every_page(chromium, site: Path, edition: str) -> dict:
                 f"{edition}: {where} shows {shown} figures of the {drawn} its notebook draws"
             )
             assert drawn >= 1 or edition == "students", f"{where}: its notebook draws no figure"
+            silent = [i for i, c in enumerate(executed.cells) if _image_outputs_of(c) and not
+                      c.metadata.get("mystnb", {}).get("image", {}).get("alt")]  # fmt: skip
+            assert not silent, f"{where}: the figures of cells {silent} have no alt text"
             figures[html.stem[:2]] = shown
-        if page.locator("span.math, div.math").count():
-            page.wait_for_function("() => window.MathJax && MathJax.isReady", timeout=15_000)
+        if page.locator("span.math, div.math").count():  # typeset by the book's own MathJax
+            page.wait_for_function(
+                "() => document.querySelectorAll('.MathJax, .MathJax_Display').length > 0",
+                timeout=15_000,
+            )
         assert not problems, f"{edition}: {where}: " + "; ".join(problems)
         assert not outside, f"{edition}: {where} asked the network for {outside}"
     page.close()
