@@ -68,6 +68,18 @@ def yields_the_groups(dp, pp):
     yield from groups_right(dp, pp)
 
 
+def groups_as_ranges(dp, pp):
+    return ([range(d * pp, d * pp + pp) for d in range(dp)],
+            [range(s, dp * pp, pp) for s in range(pp)])  # fmt: skip
+
+
+def groups_as_arrays(dp, pp):
+    import numpy as np
+
+    mesh = np.arange(dp * pp).reshape(dp, pp)
+    return list(mesh), list(mesh.T)
+
+
 def asks_torch_for_the_mesh(dp, pp):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -108,6 +120,19 @@ def test_a_generator_of_groups_is_told_to_return_lists():
     report = _check_groups(yields_the_groups)
     failed = [m for passed, m in report.cases if not passed]
     assert failed and all("not a generator" in m for m in failed), report.cases
+
+
+@pytest.mark.parametrize("fn, words", [
+    (groups_as_ranges, "your function returned a value holding a range object, which the check "
+                       "cannot read back"),
+    (groups_as_arrays, "got an array (a NumPy array or a torch tensor: both come back as a "
+                       "tensor): return lists, .tolist() of each"),
+])  # fmt: skip
+def test_groups_that_are_not_lists_are_told_what_came_back_and_what_was_expected(fn, words):
+    report = _check_groups(fn)
+    failed = [m for passed, m in report.cases if not passed]
+    assert len(failed) == 6 and all(words in m for m in failed), report.cases
+    assert not any("raised" in m for m in failed)  # nothing raised: the value was refused
 
 
 def test_asking_torch_for_the_mesh_inside_the_check_is_a_named_crash():
@@ -160,6 +185,11 @@ def ready_typo(actions, stage, stages, buckets):
 def flushes_on_stage_0_only(actions, stage, stages, buckets):
     plan = right(actions, stage, stages, buckets)
     return plan[:-1] + ["flush", "finish"] if stage == 0 else plan
+
+
+def flushes_before_its_last_backward(actions, stage, stages, buckets):
+    plan = right(actions, stage, stages, buckets)
+    return [*plan[:1], "flush", *plan[1:]]
 
 
 def flushes_first(actions, stage, stages, buckets):
@@ -336,7 +366,8 @@ def test_each_typical_mistake_in_a_plan_is_named_in_every_case_it_breaks(fn, wor
 
 
 @pytest.mark.parametrize("fn, words", [
-    (flushes_on_stage_0_only, "'flush' waits for every stage of the pipeline"),
+    (flushes_on_stage_0_only, "stage(s) [1] never say 'flush', but stage(s) [0] do"),
+    (flushes_before_its_last_backward, "'flush' waits until every stage has run all its"),
     (random_bucket_order, "two calls with the same arguments gave different plans"),
     (yields_the_actions, "not a generator"),
     (asks_the_kit, "your function"),
