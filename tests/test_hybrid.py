@@ -153,8 +153,9 @@ def _plans_that_disagree_on_flush(kind):
     ("stage 0 only", r"stage\(s\) \[1\] never say 'flush', but stage\(s\) \[0\] do"),
     ("mid-plan", r"plan\[1\] 'flush': 'flush' waits until every stage has run all its actions"),
 ])  # fmt: skip
-def test_a_plan_that_flushes_on_some_stages_or_too_soon_is_refused_at_once(kind, words,
-                                                                            no_leftover_ranks):
+def test_a_plan_that_flushes_on_some_stages_or_too_soon_is_refused_at_once(
+    kind, words, no_leftover_ranks
+):
     import time
 
     began = time.monotonic()
@@ -166,9 +167,11 @@ def test_a_plan_that_flushes_on_some_stages_or_too_soon_is_refused_at_once(kind,
 def test_the_flush_counts_name_the_stages_short_of_them():
     assert hybrid.flush_mismatch({0: 1, 1: 1}) is None
     assert hybrid.flush_mismatch({0: 0, 1: 1, 2: 0}).startswith(
-        "stage(s) [0, 2] never say 'flush', but stage(s) [1] do")
+        "stage(s) [0, 2] never say 'flush', but stage(s) [1] do"
+    )
     assert hybrid.flush_mismatch({0: 2, 1: 1}).startswith(
-        "stage(s) [1] say 'flush' fewer times than stage(s) [0] (2)")
+        "stage(s) [1] say 'flush' fewer times than stage(s) [0] (2)"
+    )
 
 
 def test_the_kits_plans_say_when_each_stage_reduces():

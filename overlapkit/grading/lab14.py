@@ -121,9 +121,11 @@ def _unreadable(said: str, what: str, expected: str) -> str | None:
     kind = found.group(1).rsplit(".", 1)[-1]
     fix = {"range": "list(range(...))", "map": "list(map(...))", "filter": "list(filter(...))",
            "zip": "list(zip(...))"}.get(kind, "plain lists, ints and strings")  # fmt: skip
-    return (f"{what}: your function returned a value holding a {kind} object, which the check "
-            f"cannot read back (only plain data comes back: lists, tuples, ints, strings); "
-            f"expected {expected}: use {fix}")
+    return (
+        f"{what}: your function returned a value holding a {kind} object, which the check "
+        f"cannot read back (only plain data comes back: lists, tuples, ints, strings); "
+        f"expected {expected}: use {fix}"
+    )
 
 
 def _as_groups(value) -> list[list[int]] | None:
