@@ -180,7 +180,10 @@ class HybridStage:
           gradients are complete (DDP's hooks);
         * ``"reduce b"``: launch bucket b's AllReduce now (after the action before it,
           whose sends are issued), from the gradients accumulated so far;
-        * ``"flush"``: wait until the whole pipeline has drained (a barrier of the pp group);
+        * ``"flush"``: wait until the whole pipeline has drained (a barrier of the pp group):
+          only after the stage's last pipeline action, and every stage's plan says it as
+          often (the stages compare their counts before the step: a plan that flushes on
+          some stages only is a :class:`PlanError` on every stage at once, not a wait);
         * ``"finish"``: wait for every AllReduce; the averages land in ``.grad``.
 
         Every backward accumulates into ``.grad``; a bucket reduced before a later backward
@@ -188,6 +191,7 @@ class HybridStage:
         spans, the pipeline's transfers on lane ``"comm pp"`` and the AllReduces on
         ``"comm dp"``."""
         steps, after = parse_plan(plan, self.actions(micro_batches, schedule), len(self.buckets))
+        _same_flushes(self.mesh, sum(1 for events in after for e in events if e[0] == "flush"))
         pp_tl = None if timeline is None else Timeline(runtime.rank())
         run = _Reductions(self, timeline)
 
@@ -282,6 +286,39 @@ class _Reductions:
             self.done = Timeline.now()
 
 
+def flush_mismatch(counts: dict[int, int]) -> str | None:
+    """What is wrong with the stages' plans of one pipeline step, given how often each
+    stage's plan says 'flush' (``counts``: stage -> times), or None: 'flush' is a barrier
+    of the whole pipeline, so every stage says it as often, or the ones that say it wait
+    for ever for the ones that do not."""
+    if len(set(counts.values())) <= 1:
+        return None
+    most = max(counts.values())
+    short = [s for s, n in sorted(counts.items()) if n < most]
+    said = [s for s, n in sorted(counts.items()) if n == most]
+    if all(counts[s] == 0 for s in short):
+        how = f"never say 'flush', but stage(s) {said} do"
+    else:
+        how = f"say 'flush' fewer times than stage(s) {said} ({most})"
+    return (f"stage(s) {short} {how}: 'flush' waits for every stage of the pipeline, so a "
+            "plan that uses it must be every stage's, as often (or the stages that say it "
+            "wait for ever)")  # fmt: skip
+
+
+def _same_flushes(mesh: Mesh, flushes: int) -> None:
+    """Before a step: every stage of this rank's pipeline says 'flush' as often, or every
+    one of them raises :class:`PlanError` at once, naming the stages that do not (a
+    stage's flush would otherwise wait for a stage that never comes)."""
+    if mesh.pp == 1:
+        return
+    mine = torch.tensor([flushes], dtype=torch.int64, device=runtime.device())
+    every = [torch.empty_like(mine) for _ in range(mesh.pp)]
+    dist.all_gather(every, mine, group=mesh.pp_group)
+    problem = flush_mismatch({s: int(t.item()) for s, t in enumerate(every)})
+    if problem is not None:
+        raise PlanError(f"the plans of the pipeline of ranks {mesh.pp_ranks}: {problem}")
+
+
 def _flush(mesh: Mesh, timeout_s: float = 60.0) -> None:
     """Wait until every stage of this rank's pipeline has got here. On gloo a monitored
     barrier: a stage whose plan never flushes is named after ``timeout_s``, not waited for
@@ -324,6 +361,11 @@ def parse_plan(plan, actions: list[str], buckets: int):
         if not steps:
             raise PlanError(f"{where}: nothing to reduce before the first pipeline action", i)
         event = _event(where, i, raw, buckets, reduced)
+        if event == ("flush",) and len(steps) < len(actions):
+            raise PlanError(f"{where}: 'flush' waits until every stage has run all its actions, "
+                            f"this one too: it goes after this stage's last, {actions[-1]!r} "
+                            f"(here {actions[len(steps)]!r} is still to run, and the stages "
+                            "that need it would wait for it for ever)", i)  # fmt: skip
         if isinstance(event, Finish):
             finished = True
         else:

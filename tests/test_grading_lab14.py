@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+from pathlib import Path
 
 import pytest
 
@@ -68,6 +69,18 @@ def yields_the_groups(dp, pp):
     yield from groups_right(dp, pp)
 
 
+def groups_as_ranges(dp, pp):
+    return ([range(d * pp, d * pp + pp) for d in range(dp)],
+            [range(s, dp * pp, pp) for s in range(pp)])  # fmt: skip
+
+
+def groups_as_arrays(dp, pp):
+    import numpy as np
+
+    mesh = np.arange(dp * pp).reshape(dp, pp)
+    return list(mesh), list(mesh.T)
+
+
 def asks_torch_for_the_mesh(dp, pp):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -108,6 +121,19 @@ def test_a_generator_of_groups_is_told_to_return_lists():
     report = _check_groups(yields_the_groups)
     failed = [m for passed, m in report.cases if not passed]
     assert failed and all("not a generator" in m for m in failed), report.cases
+
+
+@pytest.mark.parametrize("fn, words", [
+    (groups_as_ranges, "your function returned a value holding a range object, which the check "
+                       "cannot read back"),
+    (groups_as_arrays, "got an array (a NumPy array or a torch tensor: both come back as a "
+                       "tensor): return lists, .tolist() of each"),
+])  # fmt: skip
+def test_groups_that_are_not_lists_are_told_what_came_back_and_what_was_expected(fn, words):
+    report = _check_groups(fn)
+    failed = [m for passed, m in report.cases if not passed]
+    assert len(failed) == 6 and all(words in m for m in failed), report.cases
+    assert not any("raised" in m for m in failed)  # nothing raised: the value was refused
 
 
 def test_asking_torch_for_the_mesh_inside_the_check_is_a_named_crash():
@@ -160,6 +186,11 @@ def ready_typo(actions, stage, stages, buckets):
 def flushes_on_stage_0_only(actions, stage, stages, buckets):
     plan = right(actions, stage, stages, buckets)
     return plan[:-1] + ["flush", "finish"] if stage == 0 else plan
+
+
+def flushes_before_its_last_backward(actions, stage, stages, buckets):
+    plan = right(actions, stage, stages, buckets)
+    return [*plan[:1], "flush", *plan[1:]]
 
 
 def flushes_first(actions, stage, stages, buckets):
@@ -336,7 +367,8 @@ def test_each_typical_mistake_in_a_plan_is_named_in_every_case_it_breaks(fn, wor
 
 
 @pytest.mark.parametrize("fn, words", [
-    (flushes_on_stage_0_only, "'flush' waits for every stage of the pipeline"),
+    (flushes_on_stage_0_only, "stage(s) [1] never say 'flush', but stage(s) [0] do"),
+    (flushes_before_its_last_backward, "'flush' waits until every stage has run all its"),
     (random_bucket_order, "two calls with the same arguments gave different plans"),
     (yields_the_actions, "not a generator"),
     (asks_the_kit, "your function"),
@@ -371,3 +403,138 @@ def test_a_plan_that_never_returns_is_a_named_failure_after_the_checks_limit():
         report = ok.grading.check_hybrid_plan(hangs, timeout=5)
     failed = [m for passed, m in report.cases if not passed]
     assert failed and "did not return within 5 s" in failed[0], report.cases
+
+
+# --------------------------------------------------------------------------- the notebook
+# An answer the check failed never hangs a later cell: the student lab, run cell by cell
+# with a typical wrong answer in the exercise, either runs each later cell or fails it at
+# once with a named reason.
+
+LAB = Path(__file__).resolve().parents[1] / "labs" / "14_hybrid_parallel.ipynb"
+#: the lab's measurement, made small: one micro-batch count, one timed round
+SMALLER = {"MICRO = [1, 2, 4]": "MICRO = [1]", "ROUNDS = 4": "ROUNDS = 1",
+           "def time_stages(micro, reps=5)": "def time_stages(micro, reps=1)"}  # fmt: skip
+#: a cell that fails, or a hang past this, is a failure of the test (the lab's 300 s limit,
+#: made short: a failing cell here fails at once)
+CELL_LIMIT_S = 150
+AT_ONCE_S = 60
+
+WRONG_GROUPS = {
+    "transposed": "def mesh_groups(dp, pp):\n"
+    "    return ([[s * dp + d for s in range(pp)] for d in range(dp)],\n"
+    "            [[s * dp + d for d in range(dp)] for s in range(pp)])",
+    "ranges": "def mesh_groups(dp, pp):\n"
+    "    return ([range(d * pp, d * pp + pp) for d in range(dp)],\n"
+    "            [range(s, dp * pp, pp) for s in range(pp)])",
+    "arrays": "import numpy as np\n\n\ndef mesh_groups(dp, pp):\n"
+    "    mesh = np.arange(dp * pp).reshape(dp, pp)\n    return list(mesh), list(mesh.T)",
+    "nothing": "def mesh_groups(dp, pp):\n    pass",
+}
+WRONG_PLANS = {
+    "flushes on stage 0 only": (
+        "def hybrid_plan(actions, stage, stages, buckets):\n"
+        "    plan = list(actions)\n"
+        "    if stage == 0:\n"
+        "        return plan[:-1] + [plan[-1] + ' ready', 'flush', 'finish']\n"
+        "    return plan + [f'reduce {b}' for b in range(buckets)] + ['finish']",
+        "never say 'flush'",
+    ),
+    "no finish": (
+        "def hybrid_plan(actions, stage, stages, buckets):\n"
+        "    return list(actions) + [f'reduce {b}' for b in range(buckets)]",
+        "never says 'finish'",
+    ),
+    "returns nothing": (
+        "def hybrid_plan(actions, stage, stages, buckets):\n    pass",
+        "a plan is a list of actions (strings), not NoneType",
+    ),  # fmt: skip
+    "reduces after each backward": (
+        "def hybrid_plan(actions, stage, stages, buckets):\n"
+        "    plan, b = [], 0\n"
+        "    for a in actions:\n"
+        "        plan.append(a)\n"
+        "        if a.startswith('B') and b < buckets:\n"
+        "            plan.append(f'reduce {b}')\n"
+        "            b += 1\n"
+        "    return plan + [f'reduce {k}' for k in range(b, buckets)] + ['finish']",
+        None,  # it runs: the gradients are wrong, the timing is not
+    ),
+}
+
+
+def _run_lab(exercise: str, answer: str, upto: str | None, tmp_path):
+    """The student lab with ``answer`` in the cell of ``exercise``, its measurement made
+    small, run from the top to the cell that starts with ``upto`` (None: the end), skipping
+    the other exercise's cells; the code cells run, each with (ename, evalue, seconds)."""
+    import nbformat
+
+    from .test_notebooks import run_watched
+
+    nb = nbformat.read(LAB, as_version=4)
+    other = "mesh_groups" if exercise == "hybrid_plan" else "hybrid_plan"
+    cells = []
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        if upto is not None and cells and cells[-1].source.startswith(upto):
+            break
+        if f"def {exercise}(" in cell.source:
+            cell.source = answer
+        elif other in cell.source:
+            continue  # the other exercise's cells: unfinished here, and nothing reads them
+        for old, new in SMALLER.items():
+            cell.source = cell.source.replace(old, new)
+        cells.append(cell)
+    nb.cells = cells
+    run_watched(nb, tmp_path, cell_timeout=CELL_LIMIT_S)
+    out = []
+    for cell in nb.cells:
+        err = next((o for o in cell.outputs if o.output_type == "error"), None)
+        timing = cell.metadata.get("execution", {})
+        began, ended = timing.get("iopub.execute_input"), timing.get("shell.execute_reply")
+        took = _seconds(ended) - _seconds(began) if began and ended else None
+        text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+        out.append((cell.source.splitlines()[0], err and err.ename, err and err.evalue, took,
+                    text))  # fmt: skip
+    return out
+
+
+def _seconds(stamp: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(WRONG_GROUPS))
+def test_wrong_groups_hang_no_later_cell_and_cell_7_says_they_differ(name, tmp_path):
+    cells = _run_lab("mesh_groups", WRONG_GROUPS[name], "def my_groups_from_torch", tmp_path)
+    errors = [(first, e, v) for first, e, v, _, _ in cells if e]
+    assert not errors, errors  # the check's ✘ lines are printed, not raised
+    *_, (first, _, _, took, text) = cells
+    assert first.startswith("def my_groups_from_torch") and took < AT_ONCE_S, cells[-1]
+    assert "init_device_mesh's pp group [0, 1]" in text, text
+    said = {
+        "transposed": "; yours: ([0, 2], [0, 1])",
+        "ranges": "but as range, not lists of int",
+        "arrays": "but as int64, ndarray, not lists of int",
+        "nothing": "could not be read",
+    }
+    assert said[name] in text, text  # never "the same" without saying how the check sees it
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(WRONG_PLANS))
+def test_a_wrong_plan_hangs_no_later_cell(name, tmp_path):
+    answer, reason = WRONG_PLANS[name]
+    cells = _run_lab("hybrid_plan", answer, None, tmp_path)
+    check = next(c for c in cells if c[0].startswith("ok.grading.check_hybrid_plan"))
+    assert "✘" in check[4], check  # the check fails it first
+    runs = next(i for i, c in enumerate(cells) if c[0].startswith("ROUNDS = 1"))
+    first, ename, evalue, took, _ = cells[runs]
+    if reason is None:  # it runs, and so does every cell after it
+        assert not [c for c in cells if c[1]], cells
+        return
+    assert ename is not None and reason in evalue and took < AT_ONCE_S, cells[runs]
+    for first, ename, evalue, took, _ in cells[runs + 1 :]:  # the cells that need its runs
+        assert ename == "NameError" and took < AT_ONCE_S, (first, ename, evalue, took)

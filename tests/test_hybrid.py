@@ -135,6 +135,45 @@ def test_a_flush_one_stage_never_joins_is_named_not_waited_for_forever(no_leftov
         ok.launch(_flush_on_stage_0_only, world_size=2, timeout=30)
 
 
+def _plans_that_disagree_on_flush(kind):
+    mesh = hybrid.make_mesh(2, 2)
+    stage = hybrid.HybridStage(_model()[:2] if mesh.stage == 0 else _model()[2:], mesh,
+                               bucket_mb=1e-9)  # fmt: skip
+    plan = hybrid.plan_for("after", stage.actions(2), mesh.stage, len(stage.buckets))
+    if kind == "stage 0 only" and mesh.stage == 0:
+        plan = [*plan[:-1], "flush", "finish"]
+    if kind == "mid-plan":
+        plan = [plan[0], "flush", *plan[1:]]
+    x, y = _data()
+    stage.run_plan(plan, x[:4] if mesh.stage == 0 else None, y[:4] if mesh.stage == 1 else None,
+                   torch.nn.functional.mse_loss, micro_batches=2)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("stage 0 only", r"stage\(s\) \[1\] never say 'flush', but stage\(s\) \[0\] do"),
+    ("mid-plan", r"plan\[1\] 'flush': 'flush' waits until every stage has run all its actions"),
+])  # fmt: skip
+def test_a_plan_that_flushes_on_some_stages_or_too_soon_is_refused_at_once(
+    kind, words, no_leftover_ranks
+):
+    import time
+
+    began = time.monotonic()
+    with pytest.raises(Exception, match=words):
+        ok.launch(_plans_that_disagree_on_flush, kind, world_size=4, timeout=60)
+    assert time.monotonic() - began < 30  # not the flush's 60 s wait
+
+
+def test_the_flush_counts_name_the_stages_short_of_them():
+    assert hybrid.flush_mismatch({0: 1, 1: 1}) is None
+    assert hybrid.flush_mismatch({0: 0, 1: 1, 2: 0}).startswith(
+        "stage(s) [0, 2] never say 'flush', but stage(s) [1] do"
+    )
+    assert hybrid.flush_mismatch({0: 2, 1: 1}).startswith(
+        "stage(s) [1] say 'flush' fewer times than stage(s) [0] (2)"
+    )
+
+
 def test_the_kits_plans_say_when_each_stage_reduces():
     actions = ["F 0", "F 1", "B 0", "B 1"]
     assert hybrid.plan_for("flush", actions, 1, 2) == [*actions, "flush", "reduce 0",

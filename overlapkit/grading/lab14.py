@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import io
 import random
+import re
 from dataclasses import replace
 
 import torch
@@ -89,6 +90,7 @@ def check_mesh_groups(mesh_groups, timeout: float = 30.0) -> Report:
                 if "cannot pickle 'generator'" in said:  # the value travels back pickled
                     said = (f"{dp} × {pp}: return (pipelines, replicas) as lists, not a "
                             "generator: list(...) of each")  # fmt: skip
+                said = _unreadable(said, f"{dp} × {pp}", _GROUPS) or said
                 report.fail(said)
             got.append(((dp, pp), called, value))
     if ran:
@@ -102,6 +104,28 @@ def check_mesh_groups(mesh_groups, timeout: float = 30.0) -> Report:
         report.check(problem is None, f"{what}: the pipelines and replicas of init_device_mesh",
                      f"{dp} × {pp} (dp × pp): {problem}")  # fmt: skip
     return report
+
+
+_GROUPS = "(pipelines, replicas), each a list of groups, each a list of int ranks"
+_PLAN = "a plan, a list of strings such as 'F 0' or 'reduce 1'"
+
+
+def _unreadable(said: str, what: str, expected: str) -> str | None:
+    """A call whose value could not come back from the process the check ran it in (it
+    held an object that is not plain data), said as what the function returned and what
+    was expected; None for any other failure. (Nothing raised: the value was refused.)"""
+    found = re.search(r"returned a value that cannot be read: the value holds an object of "
+                      r"([\w.]+)", said)  # fmt: skip
+    if found is None:
+        return None
+    kind = found.group(1).rsplit(".", 1)[-1]
+    fix = {"range": "list(range(...))", "map": "list(map(...))", "filter": "list(filter(...))",
+           "zip": "list(zip(...))"}.get(kind, "plain lists, ints and strings")  # fmt: skip
+    return (
+        f"{what}: your function returned a value holding a {kind} object, which the check "
+        f"cannot read back (only plain data comes back: lists, tuples, ints, strings); "
+        f"expected {expected}: use {fix}"
+    )
 
 
 def _as_groups(value) -> list[list[int]] | None:
@@ -126,9 +150,14 @@ def judge_groups(value, dp: int, pp: int) -> str | None:
                  for g in v if not isinstance(g, (list, tuple))}  # fmt: skip
         kinds |= {type(v).__name__ for v in value if not isinstance(v, (list, tuple))}
         sets = " (not a set: a group's order says which rank is stage 0, or replica 0)"
+        arrays = ("; got an array (a NumPy array or a torch tensor: both come back as a "
+                  "tensor): return lists, .tolist() of each")  # fmt: skip
+        shown = {"Tensor": "an array"}
         return ("each of pipelines and replicas is a list of groups, each a list of int "
                 f"ranks{sets if 'set' in kinds or any(isinstance(v, set) for v in value) else ''}"
-                + (f"; got {', '.join(sorted(kinds))}" if kinds else ""))  # fmt: skip
+                + (arrays if kinds == {"Tensor"} else
+                   f"; got {', '.join(sorted(shown.get(k, k) for k in kinds))}" if kinds
+                   else ""))  # fmt: skip
     mine_p, mine_r = got
     if (mine_p, mine_r) == (pipes, reps):
         return None
@@ -199,6 +228,7 @@ def check_hybrid_plan(hybrid_plan, timeout: float = 30.0) -> Report:
                 drawn = (p, m, schedule, b) not in PLANS
                 if said and "cannot pickle 'generator'" in said:
                     said = f"{what}: return a list of actions, not a generator: list(...) of it"
+                said = (_unreadable(said, what, _PLAN) or said) if said else said
                 got.append((what, drawn, acts, s, b, plan, again, said))
     if ran:
         report.fail(f"your function {answers.said(ran)}")
@@ -218,13 +248,9 @@ def check_hybrid_plan(hybrid_plan, timeout: float = 30.0) -> Report:
                        "one order, or their buckets meet the wrong partner")  # fmt: skip
         if problem is None:
             flushes.setdefault(case, {})[s] = sum(1 for a in plan if a == "flush")
-            counts = flushes[case]
-            if len(set(counts.values())) > 1:  # a barrier of the pipeline: all or none
-                flushing = [k for k, n in counts.items() if n == max(counts.values())]
-                problem = (f"stage(s) {flushing} say 'flush' {max(counts.values())} time(s), "
-                           f"stage(s) {[k for k in counts if k not in flushing]} fewer: "
-                           "'flush' waits for every stage of the pipeline, so a stage that "
-                           "never says it leaves the others waiting forever")  # fmt: skip
+            from ..hybrid import flush_mismatch  # noqa: PLC0415
+
+            problem = flush_mismatch(flushes[case])  # a barrier of the pipeline: all or none
         if problem is None:
             runnable[what] = plan
             cases_ok.setdefault(case, True)
