@@ -16,7 +16,7 @@ from .traffic import group_ops, run_recorded
 
 
 def human_bytes(n: float) -> str:
-    for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
             return f"{n / size:g} {unit}"
     return f"{int(n)} B"
