@@ -312,6 +312,48 @@ def ring_of_whole_tensors(tensor):
     tensor.copy_(total)
 
 
+def ring_with_an_extra_all_gather_lap(tensor):
+    """The ring, then its all-gather once more: right sum, one lap too many."""
+    ring(tensor)
+    me, world = ok.rank(), ok.world_size()
+    flat = tensor.view(-1)
+    bounds = ok.collectives.chunk_bounds(flat.numel(), world)
+    for k in range(world - 1):
+        send, recv = bounds[(me - k) % world], bounds[(me - k - 1) % world]
+        hs = [ok.p2p.isend(flat[send[0] : send[1]], (me + 1) % world),
+              ok.p2p.irecv(flat[recv[0] : recv[1]], (me - 1) % world)]  # fmt: skip
+        for h in hs:
+            h.wait()
+
+
+def ring_whose_all_gather_adds(tensor):
+    """The ring with all-gather adding the received chunk instead of copying it in."""
+    me, world = ok.rank(), ok.world_size()
+    flat = tensor.view(-1)
+    bounds = ok.collectives.chunk_bounds(flat.numel(), world)
+    for offset in (1, 0):  # reduce-scatter, then all-gather
+        for k in range(world - 1):
+            send, recv = bounds[(me - k - offset) % world], bounds[(me - k - offset - 1) % world]
+            got = torch.empty(recv[1] - recv[0])
+            hs = [ok.p2p.isend(flat[send[0] : send[1]].clone(), (me + 1) % world),
+                  ok.p2p.irecv(got, (me - 1) % world)]  # fmt: skip
+            for h in hs:
+                h.wait()
+            flat[recv[0] : recv[1]] += got  # right in reduce-scatter, wrong in all-gather
+
+
+def test_a_ring_that_goes_round_once_too_often_is_told_so():
+    _failed_with(ok.grading.check_all_reduce(ring_with_an_extra_all_gather_lap, pattern="ring",
+                                             world_sizes=(3,)),
+                 "where a ring needs 2(N−1) = 4", "went round more than once")  # fmt: skip
+
+
+def test_an_all_gather_that_adds_is_pointed_at_the_all_gather():
+    # (on 2 ranks each chunk then holds its own rank's values twice: the hint's case)
+    _failed_with(ok.grading.check_all_reduce(ring_whose_all_gather_adds, world_sizes=(2,)),
+                 "counted twice", "all-gather copies a received chunk into place")  # fmt: skip
+
+
 @pytest.mark.parametrize("fn,words", [
     (everyone_swaps_whole_tensors, "sent to rank"),
     (ring_of_whole_tensors, "more than the largest chunk"),

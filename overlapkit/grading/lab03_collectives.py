@@ -249,8 +249,9 @@ def _explain_composition(m: list[int], rank: int) -> str:
     return (
         said + f": {', '.join(notes)}. Every rank's values must be added exactly once. In a "
         "ring, check the chunk indices (mod N) sent, (r-k-1), and received and added, "
-        "(r-k-2), in each reduce-scatter step; in master-worker, that the root adds its "
-        "own values and every buffer it received."
+        "(r-k-2), in each reduce-scatter step, and that all-gather copies a received chunk "
+        "into place (it is already the full sum: adding counts it again); in master-worker, "
+        "that the root adds its own values and every buffer it received."
     )
 
 
