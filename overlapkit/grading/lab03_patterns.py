@@ -83,7 +83,7 @@ def _ring_problem(rank: int, world: int, numel: int, sent, received) -> str | No
     if len(sent) > steps:
         return (f"sent {len(sent)} messages where a ring needs 2(N−1) = {steps}: N−1 "
                 "reduce-scatter steps, then N−1 all-gather steps. The sum is right, but it "
-                "went round more than once")  # fmt: skip
+                "went round more than once.")  # fmt: skip
     if numel % world == 0 and len(sent) != steps:
         return f"sent {len(sent)} messages. {ring}."
     if numel % world == 0 and (odd := [n for _, n in sent if n != chunk]):
