@@ -132,10 +132,29 @@ def execute_stale(
     return failed
 
 
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
+def without_widgets(nb):
+    """A page is read offline, with no kernel behind it: an interactive widget's output
+    becomes a line that says so, and the widgets' saved state goes (the book would
+    otherwise load the widget manager from a CDN)."""
+    nb.metadata.pop("widgets", None)
+    for cell in nb.cells:
+        for i, output in enumerate(cell.get("outputs", [])):
+            if WIDGET in output.get("data", {}):
+                cell.outputs[i] = nbformat.v4.new_output(
+                    "stream",
+                    name="stdout",
+                    text="[an interactive widget: open the notebook and run it to use it]\n",
+                )
+    return nb
+
+
 def students_view(nb):
     """The executed solution as a learner may see it: every exercise region as in labs/ (its
     cell's outputs dropped, since they come from the answer); every other output kept."""
-    nb = copy.deepcopy(nb)
+    nb = without_widgets(copy.deepcopy(nb))
     for i, cell in enumerate(nb.cells):
         answer = has_exercise(cell.source) or "### BEGIN HIDDEN TESTS" in cell.source
         cell.source = lab_cell_source(cell.source, cell.cell_type, f"cell {i}")
@@ -147,7 +166,7 @@ def students_view(nb):
 
 def instructors_view(nb):
     """The executed solution with the test run's directives (``# NBVAL_…``) taken out."""
-    nb = copy.deepcopy(nb)
+    nb = without_widgets(copy.deepcopy(nb))
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.source = "\n".join(x for x in cell.source.split("\n") if not _DIRECTIVE.match(x))
