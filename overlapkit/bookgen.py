@@ -151,12 +151,20 @@ def without_widgets(nb):
     return nb
 
 
+def is_check(source: str) -> bool:
+    """A cell that runs a check: its ✔ lines judged the answer, which the learner's page
+    does not show."""
+    return "ok.grading." in source
+
+
 def students_view(nb):
     """The executed solution as a learner may see it: every exercise region as in labs/ (its
-    cell's outputs dropped, since they come from the answer); every other output kept."""
+    cell's outputs dropped, since they come from the answer, as are a check's); every other
+    output kept."""
     nb = without_widgets(copy.deepcopy(nb))
     for i, cell in enumerate(nb.cells):
         answer = has_exercise(cell.source) or "### BEGIN HIDDEN TESTS" in cell.source
+        answer = answer or is_check(cell.source)
         cell.source = lab_cell_source(cell.source, cell.cell_type, f"cell {i}")
         if cell.cell_type == "code" and answer:
             cell.outputs = []
