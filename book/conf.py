@@ -34,7 +34,8 @@ html_theme_options = {
     "announcement": "Instructors' edition: answers included." if edition == "instructors" else "",
 }
 html_context = {"default_mode": "light"}  # (the theme's switch still offers dark)
-html_static_path = []
+html_static_path = ["_static"]  # (relative to this folder)
+html_css_files = ["overlapkit.css"]
 
 # MathJax 2 from jupyter-server-mathjax, copied into the build (see below)
 MATHJAX = Path(jupyter_server_mathjax.__file__).parent / "static"

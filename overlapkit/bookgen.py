@@ -215,10 +215,10 @@ def index_page(edition: str, labs: list[str], pages: set[str]) -> str:
     text += toc("Labs", [f"labs/{name}" for name in labs])
     text += toc("Reference", ["book/glossary", "book/api", "book/gpus"])
     if edition == "instructors":
-        guide = sorted(
-            p for p in pages if p.startswith("book/instructors/") and p != "book/instructors/index"
-        )
-        text += toc("For instructors", ["book/instructors/index", *guide, "book/grading"])
+        plans = [f"book/instructors/{p}" for p in ("index", "workshop", "syllabus", "sizing")]
+        labs_guides = sorted(p for p in pages if p.startswith("book/instructors/lab"))
+        guide = [*plans, *labs_guides, "book/instructors/changelog", "book/grading"]
+        text += toc("For instructors", guide)
     return text
 
 
@@ -239,8 +239,12 @@ def stage(edition: str, executed: Path, staging: Path, book: Path = ROOT / "book
         shutil.rmtree(staging)
     target = staging / "book"
     skip = set(INSTRUCTORS_ONLY) if edition == "students" else set()
-    ignore = shutil.ignore_patterns("conf.py", "_build", "__pycache__", *skip)
+    ignore = shutil.ignore_patterns("conf.py", "_static", "_build", "__pycache__", *skip)
     shutil.copytree(book, target, ignore=ignore)
+    changes = book.parent / "CHANGELOG.md"  # what changed between versions, for instructors
+    if edition == "instructors" and changes.exists():
+        (target / "instructors").mkdir(exist_ok=True)
+        (target / "instructors" / "changelog.md").write_text(changes.read_text(encoding="utf-8"))
     if edition == "students":
         for page in target.rglob("*.md"):
             page.write_text(_unlinked(page.read_text(encoding="utf-8")), encoding="utf-8")
@@ -263,13 +267,18 @@ def stage(edition: str, executed: Path, staging: Path, book: Path = ROOT / "book
 def sphinx_build(staging: Path, out: Path, edition: str, conf: Path = ROOT / "book") -> None:
     """Build one edition; a warning is an error (a broken link or a missing anchor fails it)."""
     title = f"html_title=overlapkit ({edition})"
+    doctrees = staging.parent / f"{edition}.doctrees"  # outside what gets published
+    if out.exists():
+        shutil.rmtree(out)  # what is published is this build, nothing left from an earlier one
     cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W", "--keep-going",
-           "-c", str(conf), "-D", title, str(staging), str(out)]  # fmt: skip
+           "-c", str(conf), "-d", str(doctrees), "-D", title, str(staging), str(out)]  # fmt: skip
     env = dict(os.environ, OVERLAPKIT_BOOK_EDITION=edition)
     if subprocess.run(cmd, env=env).returncode:
         raise SystemExit(
             f"book: sphinx could not build the {edition} edition (its messages are above)"
         )
+    for info in out.glob(".buildinfo*"):  # Sphinx's own bookkeeping, not a page
+        info.unlink()
 
 
 def _alt(cell) -> str:
