@@ -78,3 +78,23 @@ def test_every_link_in_a_lab_arrives(solution):
                 assert anchor in _anchors(page), (
                     f"{solution.name} links to {target}: no such heading"
                 )
+
+
+def _minutes(pattern: str, text: str, where: str) -> int:
+    found = re.search(pattern, text)
+    assert found, f"{where}: no time estimate ({pattern})"
+    return int(found.group(1))
+
+
+@pytest.mark.parametrize("solution", SOLUTIONS, ids=_ids)
+def test_a_labs_time_is_one_figure_in_the_lab_the_guide_and_the_readme(solution):
+    lab = solution.stem[:2]
+    opening = _markdown(solution)[0]
+    in_lab = _minutes(r"\*\*Time:\*\* about (\d+) minutes", opening, solution.name)
+    guide = (ROOT / "book" / "instructors" / f"lab{lab}.md").read_text(encoding="utf-8")
+    in_guide = _minutes(r"\*\*Estimate: (\d+) minutes", guide, f"lab{lab}.md")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    in_readme = _minutes(rf"\n\| {lab} \|[^\n]*\| (\d+) min \|", readme, "README.md's lab map")
+    assert in_lab == in_guide == in_readme, (
+        f"lab {lab}: {in_lab} min in the lab, {in_guide} in its guide, {in_readme} in the README"
+    )
