@@ -40,6 +40,7 @@ from pathlib import Path
 
 import nbformat
 
+from overlapkit import __version__
 from overlapkit.labgen import _DIRECTIVE, has_exercise, lab_cell_source
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -157,11 +158,30 @@ def is_check(source: str) -> bool:
     return "ok.grading." in source
 
 
+_DEFINED = re.compile(r"^(?:def|class)\s+(\w+)|^(\w+)\s*=", re.M)
+
+
+def answers_names(nb) -> set[str]:
+    """The names the exercise cells define (functions, classes, top-level values)."""
+    names = set()
+    for cell in nb.cells:
+        if cell.cell_type == "code" and has_exercise(cell.source):
+            names |= {a or b for a, b in _DEFINED.findall(cell.source)}
+    return names
+
+
+def _figures_only(outputs: list) -> list:
+    return [o for o in outputs if "image/png" in o.get("data", {})]
+
+
 def students_view(nb):
-    """The executed solution as a learner may see it: every exercise region as in labs/ (its
-    cell's outputs dropped, since they come from the answer, as are a check's); every other
-    output kept."""
+    """The executed solution as a learner may see it: every exercise region as in labs/, its
+    cell's outputs dropped (they come from the answer), as are a check's; a cell that runs
+    what an exercise defines keeps its figures only (what it printed, "your 1F1B holds …",
+    would give the answer away); every other output kept."""
     nb = without_widgets(copy.deepcopy(nb))
+    names = sorted(answers_names(nb))
+    uses = re.compile(r"\b(?:" + "|".join(map(re.escape, names)) + r")\b") if names else None
     for i, cell in enumerate(nb.cells):
         answer = has_exercise(cell.source) or "### BEGIN HIDDEN TESTS" in cell.source
         answer = answer or is_check(cell.source)
@@ -169,6 +189,8 @@ def students_view(nb):
         if cell.cell_type == "code" and answer:
             cell.outputs = []
             cell.execution_count = None
+        elif cell.cell_type == "code" and uses and uses.search(cell.source):
+            cell.outputs = _figures_only(cell.outputs)
     return nb
 
 
@@ -266,7 +288,7 @@ def stage(edition: str, executed: Path, staging: Path, book: Path = ROOT / "book
 
 def sphinx_build(staging: Path, out: Path, edition: str, conf: Path = ROOT / "book") -> None:
     """Build one edition; a warning is an error (a broken link or a missing anchor fails it)."""
-    title = f"html_title=overlapkit ({edition})"
+    title = f"html_title=overlapkit {__version__} ({edition})"
     doctrees = staging.parent / f"{edition}.doctrees"  # outside what gets published
     if out.exists():
         shutil.rmtree(out)  # what is published is this build, nothing left from an earlier one
