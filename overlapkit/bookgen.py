@@ -158,30 +158,34 @@ def is_check(source: str) -> bool:
     return "ok.grading." in source
 
 
-_DEFINED = re.compile(r"^(?:def|class)\s+(\w+)|^(\w+)\s*=", re.M)
-
-
-def answers_names(nb) -> set[str]:
-    """The names the exercise cells define (functions, classes, top-level values)."""
-    names = set()
-    for cell in nb.cells:
-        if cell.cell_type == "code" and has_exercise(cell.source):
-            names |= {a or b for a, b in _DEFINED.findall(cell.source)}
-    return names
+#: the tag of a cell whose printed output would give an exercise's answer away (its ✔-like
+#: "yours: the same", the values the answer returns): the students' edition keeps its figures
+ANSWER_OUTPUT = "answer-output"
+#: an absolute path into the checkout the notebooks ran in: a page shows it from the checkout
+_CHECKOUT_PATH = re.compile(r"(?<![\w.])/[^\s'\"]*?/((?:overlapkit|solutions|labs)/)")
 
 
 def _figures_only(outputs: list) -> list:
     return [o for o in outputs if "image/png" in o.get("data", {})]
 
 
+def _relative_paths(nb):
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            if output.get("output_type") == "stream":
+                output.text = _CHECKOUT_PATH.sub(r"\1", output.text)
+    return nb
+
+
 def students_view(nb):
     """The executed solution as a learner may see it: every exercise region as in labs/, its
-    cell's outputs dropped (they come from the answer), as are a check's; a cell that runs
-    what an exercise defines keeps its figures only (what it printed, "your 1F1B holds …",
-    would give the answer away); every other output kept."""
-    nb = without_widgets(copy.deepcopy(nb))
-    names = sorted(answers_names(nb))
-    uses = re.compile(r"\b(?:" + "|".join(map(re.escape, names)) + r")\b") if names else None
+    cell's outputs dropped (they come from the answer), as are a check's; a cell tagged
+    ``answer-output`` keeps its figures only; every other output kept."""
+    nb = _relative_paths(without_widgets(copy.deepcopy(nb)))
+    for cell in nb.cells:  # the learner's copy of a path is in labs/
+        for output in cell.get("outputs", []):
+            if output.get("output_type") == "stream":
+                output.text = re.sub(r"(?<![\w.])solutions/", "labs/", output.text)
     for i, cell in enumerate(nb.cells):
         answer = has_exercise(cell.source) or "### BEGIN HIDDEN TESTS" in cell.source
         answer = answer or is_check(cell.source)
@@ -189,14 +193,14 @@ def students_view(nb):
         if cell.cell_type == "code" and answer:
             cell.outputs = []
             cell.execution_count = None
-        elif cell.cell_type == "code" and uses and uses.search(cell.source):
+        elif ANSWER_OUTPUT in cell.metadata.get("tags", []):
             cell.outputs = _figures_only(cell.outputs)
     return nb
 
 
 def instructors_view(nb):
     """The executed solution with the test run's directives (``# NBVAL_…``) taken out."""
-    nb = without_widgets(copy.deepcopy(nb))
+    nb = _relative_paths(without_widgets(copy.deepcopy(nb)))
     for cell in nb.cells:
         if cell.cell_type == "code":
             cell.source = "\n".join(x for x in cell.source.split("\n") if not _DIRECTIVE.match(x))
@@ -301,6 +305,8 @@ def sphinx_build(staging: Path, out: Path, edition: str, conf: Path = ROOT / "bo
         )
     for info in out.glob(".buildinfo*"):  # Sphinx's own bookkeeping, not a page
         info.unlink()
+    for fragment in (out / "_static").glob("*webpack-macros.html"):  # the theme's templates
+        fragment.unlink()
 
 
 def _alt(cell) -> str:
