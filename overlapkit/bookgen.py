@@ -290,16 +290,20 @@ def stage(edition: str, executed: Path, staging: Path, book: Path = ROOT / "book
     return labs
 
 
-def sphinx_build(staging: Path, out: Path, edition: str, conf: Path = ROOT / "book") -> None:
-    """Build one edition; a warning is an error (a broken link or a missing anchor fails it)."""
+def start_sphinx(staging: Path, out: Path, edition: str, conf: Path = ROOT / "book"):
+    """Start building one edition (the editions build side by side); a warning is an error:
+    a broken link or a missing anchor fails it."""
     title = f"html_title=overlapkit {__version__} ({edition})"
     doctrees = staging.parent / f"{edition}.doctrees"  # outside what gets published
     if out.exists():
         shutil.rmtree(out)  # what is published is this build, nothing left from an earlier one
     cmd = [sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W", "--keep-going",
            "-c", str(conf), "-d", str(doctrees), "-D", title, str(staging), str(out)]  # fmt: skip
-    env = dict(os.environ, OVERLAPKIT_BOOK_EDITION=edition)
-    if subprocess.run(cmd, env=env).returncode:
+    return subprocess.Popen(cmd, env=dict(os.environ, OVERLAPKIT_BOOK_EDITION=edition))
+
+
+def finish_sphinx(build, out: Path, edition: str) -> None:
+    if build.wait():
         raise SystemExit(
             f"book: sphinx could not build the {edition} edition (its messages are above)"
         )
@@ -376,11 +380,14 @@ def main(argv: list[str] | None = None) -> int:
     for stray in set(p.name for p in args.executed.glob("*.ipynb")) - {s.name for s in solutions}:
         (args.executed / stray).unlink()  # a solution removed since: its page goes too
     editions = EDITIONS if args.edition == "both" else (args.edition,)
+    started = time.perf_counter()
+    builds = {}
     for edition in editions:
-        started = time.perf_counter()
         staging = args.out.parent / "book-src" / edition
         labs = stage(edition, args.executed, staging)
-        sphinx_build(staging, args.out / edition, edition)
+        builds[edition] = start_sphinx(staging, args.out / edition, edition)
+    for edition, build in builds.items():
+        finish_sphinx(build, args.out / edition, edition)
         took = time.perf_counter() - started
         print(f"book: {edition} edition, {len(labs)} labs, in {took:.0f} s: "
               f"{args.out / edition / 'index.html'}")  # fmt: skip
