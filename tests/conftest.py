@@ -112,7 +112,7 @@ LONG_FIRST = ("test_browser.py", "test_notebooks.py", "test_grade.py", "test_gra
 
 
 #: tests that read what the whole run produced (the book is built from the executed notebooks)
-LAST = ("test_book.py::test_every_page_of_both_editions",)
+LAST = ("test_book.py::test_every_page_of_the_book",)
 
 
 def _start_order(item) -> int:
