@@ -83,6 +83,10 @@ def make_mesh(dp: int, pp: int) -> Mesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(runtime.device().type, (dp, pp), mesh_dim_names=("dp", "pp"))
+    # each rank connects to its groups' members while making them: one that went on and
+    # ended meanwhile would close a connection another rank is still making (gloo:
+    # "connectFullMesh failed … Connection closed by peer"), so every rank waits here
+    dist.barrier()
     dp_group, pp_group = mesh.get_group("dp"), mesh.get_group("pp")
     replica, stage = mesh.get_coordinate()
     return Mesh(dp, pp, replica, stage, dp_group, pp_group,
