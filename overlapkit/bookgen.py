@@ -169,11 +169,14 @@ def _figures_only(outputs: list) -> list:
     return [o for o in outputs if "image/png" in o.get("data", {})]
 
 
-def _relative_paths(nb):
+def _relative_paths(nb, folder: str = "solutions"):
+    """Paths a cell printed, from the checkout's root; ``folder``: where the notebooks are
+    on the page's side (a learner's copy of a lab is in labs/)."""
     for cell in nb.cells:
         for output in cell.get("outputs", []):
             if output.get("output_type") == "stream":
-                output.text = _CHECKOUT_PATH.sub(r"\1", output.text)
+                text = _CHECKOUT_PATH.sub(r"\1", output.text)
+                output.text = re.sub(r"(?<![\w.])solutions/", f"{folder}/", text)
     return nb
 
 
@@ -181,11 +184,7 @@ def students_view(nb):
     """The executed solution as a learner may see it: every exercise region as in labs/, its
     cell's outputs dropped (they come from the answer), as are a check's; a cell tagged
     ``answer-output`` keeps its figures only; every other output kept."""
-    nb = _relative_paths(without_widgets(copy.deepcopy(nb)))
-    for cell in nb.cells:  # the learner's copy of a path is in labs/
-        for output in cell.get("outputs", []):
-            if output.get("output_type") == "stream":
-                output.text = re.sub(r"(?<![\w.])solutions/", "labs/", output.text)
+    nb = _relative_paths(without_widgets(copy.deepcopy(nb)), folder="labs")
     for i, cell in enumerate(nb.cells):
         answer = has_exercise(cell.source) or "### BEGIN HIDDEN TESTS" in cell.source
         answer = answer or is_check(cell.source)

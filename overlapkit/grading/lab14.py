@@ -35,6 +35,7 @@ from dataclasses import replace
 
 import torch
 
+from ..hybrid import flush_mismatch
 from ..launcher import LaunchError, launch
 from ..pipeline import make_schedule
 from ..plans import HYBRID, Action, Flush, PlanSyntaxError, Problem, Reduce
@@ -248,8 +249,6 @@ def check_hybrid_plan(hybrid_plan, timeout: float = 30.0) -> Report:
                        "one order, or their buckets meet the wrong partner")  # fmt: skip
         if problem is None:
             flushes.setdefault(case, {})[s] = sum(1 for a in plan if a == "flush")
-            from ..hybrid import flush_mismatch  # noqa: PLC0415
-
             problem = flush_mismatch(flushes[case])  # a barrier of the pipeline: all or none
         if problem is None:
             runnable[what] = plan
