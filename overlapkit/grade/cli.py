@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import shutil
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from . import layout
+from . import layout, similar
 from .labs import LABS
 from .notebook import grade_notebook
 from .output import summary, write_csv, write_gradescope
@@ -67,6 +68,19 @@ def _parser() -> argparse.ArgumentParser:
         "(default 1: timing checks need a quiet machine; more is unsafe for "
         "the timing labs on a small machine)",
     )
+    parser.add_argument(
+        "--similarity",
+        metavar="FOLDER",
+        help="grade nothing: compare the exercise code of the submissions with each other "
+        "and with the kit's own code (copydetect), write FOLDER/<lab>.html and print "
+        "the pairs that look copied",
+    )
+    parser.add_argument(
+        "--reference",
+        metavar="PATH",
+        help="with --similarity: notebooks to compare with too (the solutions, last "
+        "term's submissions)",
+    )
     return parser
 
 
@@ -96,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         subs = layout.find(args.paths, labs, args.lab, args.student)
     except layout.NothingFound as exc:
         return _error(str(exc))
+    if args.similarity:
+        return _similarity(subs, args)
     students = sorted({s.student for s in subs})
     several = len(students) > 1
     output = Path(args.output) if args.output else None
@@ -116,6 +132,31 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 3
     return status
+
+
+def _similarity(subs: list[layout.Submission], args) -> int:
+    """``--similarity``: export every submission's exercise code, compare it per lab, print
+    the pairs that look copied; no notebook is run."""
+    folder = Path(args.similarity)
+    code = folder / "code"
+    for ours in (code, folder / "reference"):  # a run before this one left its files here
+        shutil.rmtree(ours, ignore_errors=True)
+    written = similar.export(subs, Path(args.labs), code, args.lab)
+    references = None
+    if args.reference:
+        try:
+            refs = layout.find([args.reference], Path(args.labs))  # each by its own lab
+        except layout.NothingFound as exc:
+            return _error(str(exc))
+        references = folder / "reference"
+        similar.export(refs, Path(args.labs), references)
+    for lab in sorted(written):
+        report = folder / f"{lab}.html"
+        pairs = similar.compare(code, lab, references, report)
+        found = similar.lines(pairs) or [f"{lab}: no pair above {similar.THRESHOLD:.0%}"]
+        print("\n".join(found))
+        print(f"wrote {report} ({len(written[lab])} submissions)", file=sys.stderr)
+    return 0
 
 
 def _write(results: list[dict], args, several: bool, output: Path | None) -> int:
