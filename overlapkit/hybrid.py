@@ -159,23 +159,9 @@ class HybridStage:
             groups = buckets_by_size(self._order, 1e9 if bucket_mb is None else bucket_mb)
             self.buckets = [[self._order[i] for i in idx] for idx in groups]
         self.pipe = PipelineStage(module, stage=mesh.stage, stages=mesh.pp, ranks=mesh.pp_ranks)
-        self._agreed: int | None = None  # the flush count every stage compared, and agreed on
 
     def parameters(self):
         return self.module.parameters()
-
-    def _agree_on_flushes(self, flushes: int) -> None:
-        """:func:`_same_flushes` once per plan, not every step: a stage whose plan says
-        'flush' as often as the plan every stage compared and agreed on last time skips
-        the all-gather (the counts, equal then, are equal still). A stage whose count
-        changed compares again; the other stages must change theirs in the same step (each
-        stage's plan comes from the same function every step, as in the lab), or that
-        stage waits in the comparison until the launch's timeout."""
-        if flushes == self._agreed:
-            return
-        self._agreed = None
-        _same_flushes(self.mesh, flushes)  # raises PlanError on every stage at once
-        self._agreed = flushes
 
     def actions(self, micro_batches: int, schedule: str = "1f1b") -> list[str]:
         """This stage's pipeline actions for one step, in order: "F k" and "B k"."""
@@ -200,9 +186,8 @@ class HybridStage:
           whose sends are issued), from the gradients accumulated so far;
         * ``"flush"``: wait until the whole pipeline has drained (a barrier of the pp group):
           only after the stage's last pipeline action, and every stage's plan says it as
-          often (the stages compare their counts before a plan's first step, and again
-          whenever a stage's count changes: a plan that flushes on some stages only is a
-          :class:`PlanError` on every stage at once, not a wait);
+          often (the stages compare their counts before the step: a plan that flushes on
+          some stages only is a :class:`PlanError` on every stage at once, not a wait);
         * ``"finish"``: wait for every AllReduce; the averages land in ``.grad``.
 
         Every backward accumulates into ``.grad``; a bucket reduced before a later backward
@@ -210,7 +195,7 @@ class HybridStage:
         spans, the pipeline's transfers on lane ``"comm pp"`` and the AllReduces on
         ``"comm dp"``."""
         steps, after = parse_plan(plan, self.actions(micro_batches, schedule), len(self.buckets))
-        self._agree_on_flushes(sum(1 for events in after for e in events if e[0] == "flush"))
+        _same_flushes(self.mesh, sum(1 for events in after for e in events if e[0] == "flush"))
         pp_tl = None if timeline is None else Timeline(runtime.rank())
         run = _Reductions(self, timeline)
 
@@ -325,10 +310,12 @@ def flush_mismatch(counts: dict[int, int]) -> str | None:
 
 
 def _same_flushes(mesh: Mesh, flushes: int) -> None:
-    """Before a plan's first step (:meth:`HybridStage._agree_on_flushes`): every stage of
-    this rank's pipeline says 'flush' as often, or every one of them raises
-    :class:`PlanError` at once, naming the stages that do not (a stage's flush would
-    otherwise wait for a stage that never comes)."""
+    """Before a step: every stage of this rank's pipeline says 'flush' as often, or every
+    one of them raises :class:`PlanError` at once, naming the stages that do not (a
+    stage's flush would otherwise wait for a stage that never comes). Every step, not once
+    per plan: a stage that skipped it for a plan it had already agreed on, while another
+    stage's plan changed, would leave that stage waiting in the all-gather (lab 14's timed
+    cell alternates the kit's plan and the learner's, which may agree on some stages only)."""
     if mesh.pp == 1:
         return
     mine = torch.tensor([flushes], dtype=torch.int64, device=runtime.device())

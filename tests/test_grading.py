@@ -207,7 +207,10 @@ def test_an_unfinished_exercise_is_reported_as_not_implemented():
         (
             False,
             "not_done on 2 ranks: not implemented yet (not_done still raises NotImplementedError)",
-        )
+        ),
+        # the world sizes after it are not reached: each counts as failed
+        (False, "not_done on 3 ranks: not reached: the check stops at its first failure (above)"),
+        (False, "not_done on 4 ranks: not reached: the check stops at its first failure (above)"),
     ]
 
 

@@ -228,37 +228,3 @@ def test_a_communication_lane_per_group_counts_as_communication():
     rows = hybrid.hot_spots(tl)
     exposed = [(r["group"], r["exposed_ms"]) for r in rows]
     assert exposed == [("dp", pytest.approx(1000.0)), ("pp", pytest.approx(500.0))]
-
-
-def _flush_comparisons(plans):
-    """Run ``plans`` (dp_start of each step) on a 1 × 2 mesh, each step's plan built anew;
-    returns how many times the stages compared their flush counts."""
-    compared = []
-    real = hybrid._same_flushes
-
-    def counted(mesh, flushes):
-        compared.append(flushes)
-        return real(mesh, flushes)
-
-    hybrid._same_flushes = counted
-    try:
-        mesh = hybrid.make_mesh(1, 2)
-        stage = hybrid.HybridStage(_model()[:2] if mesh.stage == 0 else _model()[2:], mesh,
-                                   bucket_mb=1e-9)  # fmt: skip
-        x, y = _data()
-        for dp_start in plans:
-            plan = hybrid.plan_for(dp_start, stage.actions(2), mesh.stage, len(stage.buckets))
-            stage.run_plan(plan, x[:4] if mesh.stage == 0 else None,
-                           y[:4] if mesh.stage == 1 else None, torch.nn.functional.mse_loss,
-                           micro_batches=2)  # fmt: skip
-    finally:
-        hybrid._same_flushes = real
-    return compared
-
-
-def test_the_stages_compare_their_flushes_once_per_plan_not_every_step(no_leftover_ranks):
-    runs = ok.launch(_flush_comparisons, ["flush"] * 3, world_size=2, timeout=60)
-    assert runs == [[1], [1]]  # the plan's first step only
-    runs = ok.launch(_flush_comparisons, ["after", "after", "flush", "flush", "after"],
-                     world_size=2, timeout=60)  # fmt: skip
-    assert runs == [[0, 1, 0], [0, 1, 0]]  # and again whenever the count changes

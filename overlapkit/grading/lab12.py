@@ -62,16 +62,14 @@ def check_fsdp_plan(fsdp_plan) -> Report:
     rng = random.SystemRandom()
     cases = [*CASES, *rng.sample(DRAWN, 2)]
     quiet = Report(report.exercise, file=io.StringIO())
-    plans = []
+    plans, whats = [], [_what(case) for case in cases]  # named here: not while watched
     with answers.running(answers_of("check_fsdp_plan")) as ran:
-        for n, p in cases:
-            what = _what((n, p))
+        for (n, p), what in zip(cases, whats, strict=True):
             try:
                 called, plan = call_or_report(quiet, what, fsdp_plan, n, p)
             except Unfinished:  # the cases after it are not reached: each counts as failed
                 plans.append((what, None, None, quiet.cases[-1][1]))
-                plans += [(w, None, None, f"{w}: {NOT_REACHED}")
-                          for w in map(_what, cases[len(plans) :])]  # fmt: skip
+                plans += [(w, None, None, f"{w}: {NOT_REACHED}") for w in whats[len(plans) :]]
                 break
             said = quiet.cases[-1][1] if not called else ""
             if "cannot pickle 'generator'" in said:  # the value travels back pickled
