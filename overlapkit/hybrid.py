@@ -312,7 +312,10 @@ def flush_mismatch(counts: dict[int, int]) -> str | None:
 def _same_flushes(mesh: Mesh, flushes: int) -> None:
     """Before a step: every stage of this rank's pipeline says 'flush' as often, or every
     one of them raises :class:`PlanError` at once, naming the stages that do not (a
-    stage's flush would otherwise wait for a stage that never comes)."""
+    stage's flush would otherwise wait for a stage that never comes). Every step, not once
+    per plan: a stage that skipped it for a plan it had already agreed on, while another
+    stage's plan changed, would leave that stage waiting in the all-gather (lab 14's timed
+    cell alternates the kit's plan and the learner's, which may agree on some stages only)."""
     if mesh.pp == 1:
         return
     mine = torch.tensor([flushes], dtype=torch.int64, device=runtime.device())

@@ -207,7 +207,10 @@ def test_an_unfinished_exercise_is_reported_as_not_implemented():
         (
             False,
             "not_done on 2 ranks: not implemented yet (not_done still raises NotImplementedError)",
-        )
+        ),
+        # the world sizes after it are not reached: each counts as failed
+        (False, "not_done on 3 ranks: not reached: the check stops at its first failure (above)"),
+        (False, "not_done on 4 ranks: not reached: the check stops at its first failure (above)"),
     ]
 
 
@@ -486,3 +489,40 @@ def test_a_built_in_imported_by_name_before_the_check_is_still_seen():
     report = ok.grading.check_all_reduce(all_reduce_bound_by_name)
     assert not report.all_passed
     assert "called all_reduce" in " ".join(m for _, m in report.cases)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_root_that_forgets_its_own_value_gets_master_worker_advice_not_ring_advice(world):
+    """Lab 02's check (pattern="root"): the root's own input missing from the sum is told
+    so in master-worker terms; the ring's chunks and reduce-scatter are lab 03's."""
+    report = ok.grading.check_all_reduce(
+        _naive_mistake("root forgets its own value"), pattern="root", world_sizes=(world,)
+    )
+    ((passed, message),) = report.cases
+    assert not passed
+    assert "In master-worker the root adds every buffer it received" in message or (
+        "the root adds its own values and every buffer it received" in message
+    ), message
+    assert "reduce-scatter" not in message and "ring" not in message, message
+
+
+def test_bytes_check_gives_one_mistake_one_hint_on_every_line():
+    """Sent and received counted together (twice the figure) was told 'the whole tensor'
+    on one line, 'an AllReduce's figure' on three and nothing on two; the whole tensor each
+    step was 'the total over all ranks' on its ReduceScatter line."""
+
+    def one_way(collective, nbytes, world):
+        return (2 if collective == "all_reduce" else 1) * (world - 1) / world * nbytes
+
+    def both_ways(collective, nbytes, world):
+        return 2 * one_way(collective, nbytes, world)
+
+    def whole_tensor_each_step(collective, nbytes, world):
+        return nbytes * (world - 1)
+
+    twice = ("That is twice the figure: what a rank sends and what it receives, counted "
+             "together. The question counts what each rank sends")  # fmt: skip
+    for fn, hint in ((both_ways, twice), (whole_tensor_each_step, "not the whole tensor.")):
+        wrong = [m for ok_, m in ok.grading.check_bytes_moved(fn).cases if not ok_]
+        assert len(wrong) == 6 and all(m.endswith(".") and hint in m for m in wrong), wrong
+        assert not any("AllReduce's figure" in m or "total over all" in m for m in wrong), wrong

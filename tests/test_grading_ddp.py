@@ -206,6 +206,40 @@ def test_assign_buckets_megabytes_instead_of_mebibytes_is_named():
     assert "Are these buckets of 1 × 10**6 bytes? bucket_mb counts MiB" in lines
 
 
+def _bucketer(unit):
+    def assign(sizes, bucket_mb):
+        limit = float("inf") if bucket_mb is None else bucket_mb * unit
+        buckets, total = [], 0
+        for i, n in enumerate(sizes):
+            if buckets and total + n <= limit:
+                buckets[-1].append(i)
+                total += n
+            else:
+                buckets.append([i])
+                total = n
+        return buckets
+
+    return assign
+
+
+def test_assign_buckets_kibibytes_instead_of_mebibytes_is_named_on_every_line():
+    """A limit in KiB was told 10**6 bytes or '<' on its first line, nothing on the rest."""
+    report = ok.grading.check_assign_buckets(_bucketer(2**10))
+    wrong = [m for passed, m in report.cases if not passed]
+    assert len(wrong) == 4 and all(
+        "bucket_mb counts MiB, 1 MiB = 2**20 = 1048576 bytes, 1024 times as many." in m
+        for m in wrong
+    ), wrong
+    assert wrong[0].endswith(
+        "These are buckets of 2 KiB (2 × 2**10 = 2048 bytes): bucket_mb "
+        "counts MiB, 1 MiB = 2**20 = 1048576 bytes, 1024 times as many."
+    )
+    decimal = [m for passed, m in ok.grading.check_assign_buckets(_bucketer(10**6)).cases
+               if not passed]  # fmt: skip
+    assert not any("KiB" in m for m in decimal), decimal
+    assert "2 × 10**6 bytes?" in decimal[0]  # its first line: the same buckets as 2 KiB
+
+
 def test_assign_buckets_empty_first_bucket_for_a_big_gradient_is_named():
     def empty_first(sizes, bucket_mb):
         limit = float("inf") if bucket_mb is None else bucket_mb * 2**20

@@ -352,4 +352,18 @@ def test_memory_check_refuses_a_non_dict_and_an_unfinished_function():
         raise NotImplementedError
 
     report = ok.grading.check_memory_per_rank(unfinished)
-    assert report.total == 1 and "not implemented yet" in report.cases[0][1]
+    assert "not implemented yet" in report.cases[0][1]
+    # the cases after it are not reached, and count as failed
+    assert report.total == 6 and report.passed == 0, report.cases
+    assert all(m.endswith("not reached: the check stops at its first failure (above)")
+               for _, m in report.cases[1:])  # fmt: skip
+
+
+def test_a_float_shard_is_told_to_round_up_not_that_it_dropped_the_remainder():
+    """n / N (a float) was told "n // N drops the remainder", a mistake it did not make."""
+    fraction = [m for p, m in ok.grading.check_memory_per_rank(_mistake(_fraction)).cases if not p]
+    floor = [m for p, m in ok.grading.check_memory_per_rank(_mistake(_floor)).cases if not p]
+    assert fraction and all("drops the remainder" not in m for m in fraction), fraction
+    assert all("(n / N = 437,333.33 is no whole number of values: round it up" in m
+               for m in fraction if "1,312,000, 3," in m), fraction  # fmt: skip
+    assert floor and all("(n // N = " in m and "drops the remainder)." in m for m in floor), floor

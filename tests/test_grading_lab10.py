@@ -395,9 +395,37 @@ def test_a_measured_configuration_that_hides_nothing_misses_the_target(monkeypat
     result = ok.grading.check_tuning(table, {"wrapper": "naive"})
     assert result.passed == 5, _text(result)  # the table agrees, and naive is no slower
     assert (
-        "✘ after: only 0.00 of the communication hidden (median of 4 re-measurements, ± 0.00); "
-        "the target is 0.5. NaiveDDP communicates after backward: nothing can hide"
+        "✘ after: only 0.00 of the communication hidden (median of 4 re-measurements, ± 0.00), "
+        "0.50 short of the target 0.5: the goal is missed, so this exercise earns nothing (the "
+        "✔ lines above only confirm that the table is what measure() returned). NaiveDDP "
+        "communicates after backward: nothing can hide"
     ) in _text(result, marks=True)
+
+
+def test_a_configuration_that_tunes_nothing_scores_nothing_though_its_table_agrees(monkeypatch):
+    """The lab's REPORT of measure(BASELINE) and measure({"wrapper": "naive"}): five ✔ lines
+    that only confirm the table, and the goal missed: 0 points, not 5/6 of them."""
+    fake_measurements(monkeypatch, QUIET_BEFORE, [([60, 61, 62, 63, 61], [0.0] * 5)])
+    table = {**QUIET_TABLE, "after": {"step_ms": 61.0, "hidden": 0.0}}
+    result = ok.grading.check_tuning(table, {"wrapper": "naive"})
+    assert (result.passed, result.total) == (5, 6), _text(result)
+    assert result.score == 0 and result.to_dict()["score"] == 0, _text(result)
+    assert repr(result) == (
+        "tuning: 5/6 checks passed; it scores 0: the goal (hide at least 0.5, no slower) was missed"
+    )
+
+
+def test_a_slower_step_scores_nothing_though_it_hides_enough(monkeypatch):
+    fake_measurements(monkeypatch, QUIET_BEFORE, [([70, 72, 75, 71, 73], QUIET_AFTER[0][1])])
+    table = {**QUIET_TABLE, "after": {"step_ms": 72.0, "hidden": 0.84}}
+    result = ok.grading.check_tuning(table, ONE_MIB)
+    assert (result.passed, result.total, result.score) == (5, 6, 0), _text(result)
+    assert (
+        "allows. Hiding communication must not cost more than it hides: too many small "
+        "AllReduces each pay the link's latency and the host's cost. The goal is missed, so "
+        "this exercise earns nothing (the ✔ lines above only confirm that the table is what "
+        "measure() returned)"
+    ) in _text(result)
 
 
 def test_seconds_and_percentages_are_named_even_from_a_quieter_spell(monkeypatch):
@@ -505,9 +533,10 @@ def test_the_target_message_starts_its_hint_with_a_capital(monkeypatch):
     }
     text = _text(ok.grading.check_tuning(table, {"wrapper": "bucketed", "bucket_mb": 8}))
     assert (
-        "after: only 0.45 of the communication hidden (median of 4 re-measurements, ± 0.00); "
-        "the target is 0.5. A bucket as large as the model fills only at the end of backward"
+        "after: only 0.45 of the communication hidden (median of 4 re-measurements, ± 0.00), "
+        "0.05 short of the target 0.5: the goal is missed"
     ) in text
+    assert "returned). A bucket as large as the model fills only at the end of backward" in text
 
 
 # The review's mistakes as a learner makes them: measured, then checked.

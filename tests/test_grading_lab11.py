@@ -151,7 +151,10 @@ def test_the_ag_matmul_solutions_pass(edits):
         # the received shard never used: the own shard multiplied N times
         (
             [("                chunk = nxt\n", "                pass\n")],
-            "they hold shard 0's product",
+            (
+                "every block holds shard 0's product, this rank's own: the shards it received "
+                "were never multiplied. After each step's wait, take the received shard in hand"
+            ),
         ),
         # the built-in collective
         (

@@ -316,3 +316,34 @@ def test_1f1b_last_stage_with_a_warm_up_is_told_it_is_the_last():
     lines = _lines(ok.grading.check_1f1b_schedule(last_warm))
     assert "Stage 1 ran 4 forwards before its first backward; 1F1B runs 1 here" in lines
     assert "stage 1 is the last, so each micro-batch's backward can follow its forward" in lines
+
+
+def test_gpipe_step_cases_after_the_first_failure_count_as_failed():
+    """Wrong gradients at m=4 end the check: the m=3 and overlap cases are not reached and
+    count as failed (1 of 4 cases, 1.25 of 5 points; it scored 1 of the 2 it ran)."""
+    report = ok.grading.check_gpipe_step(_step("unweighted"))
+    assert (report.passed, report.total) == (1, 4), _lines(report)
+    assert [m for _, m in report.cases[2:]] == [
+        "gpipe_step with 3 micro-batch(es) on 2 ranks: not reached: the check stops at its "
+        "first failure (above)",
+        "overlap (rank 0's sends in flight during its next forwards, nothing blocking): not "
+        "reached: the check stops at its first failure (above)",
+    ]
+
+
+def test_1f1b_cases_after_an_unfinished_one_count_as_failed():
+    def unfinished_beyond_three_stages(stages, m):
+        if stages > 3:
+            raise NotImplementedError
+        return one_f_one_b(stages, m)
+
+    report = ok.grading.check_1f1b_schedule(unfinished_beyond_three_stages)
+    assert (report.passed, report.total) == (3, 6), _lines(report)
+    assert report.cases[3] == (False, "4 stages, 6 micro-batches: not implemented yet (still "
+                               "raises NotImplementedError)")  # fmt: skip
+    assert report.cases[4:] == [
+        (False, "4 stages, 2 micro-batches: not reached: the check stops at its first failure "
+         "(above)"),
+        (False, "2 stages, 7 micro-batches: not reached: the check stops at its first failure "
+         "(above)"),
+    ]  # fmt: skip

@@ -10,7 +10,7 @@ inputs, and how the ranks' results are judged) and :func:`run_cases` runs them i
 
 The judge works out what the ranks should hold where every seed is known (here, never on a
 rank), prints its ✘ line when they do not, and says whether they did. The first failure
-ends the check.
+ends the check; the cases after it count as failed ("not reached").
 """
 
 from __future__ import annotations
@@ -25,6 +25,13 @@ from .report import Report
 
 #: the ✘ text of a case after the first failure, where a check counts every case
 NOT_REACHED = "not reached: the check stops at its first failure (above)"
+
+
+def count_not_reached(report: Report, whats) -> None:
+    """A ✘ line for each case of ``whats`` (their names) after a check's first failure: a
+    check that stops there scores out of every case, not only of those it ran."""
+    for what in whats:
+        report.fail(f"{what}: {NOT_REACHED}")
 
 
 def private_seeds(world: int, bits: int = 62) -> list[int]:
@@ -56,11 +63,12 @@ class Case:
 
 
 def run_cases(report: Report, check: str, cases, *, timeout: float, link=None, explain=None,
-              not_reached: bool = False) -> list | None:  # fmt: skip
+              not_reached: bool = True) -> list | None:  # fmt: skip
     """Run ``cases`` in order for the exercise of ``check`` (its name in ok.grading) and
     return the last one's results, or None at the first failure (a run that failed: its
     ✘ line; a judge that said wrong). The exercise's answers (``exercises.answers_of``)
-    refuse to run meanwhile. ``not_reached``: the cases after a failure count as failed."""
+    refuse to run meanwhile. ``not_reached`` (the default): the cases after a failure count
+    as failed, each on a ✘ line of its own, so the check scores out of every case."""
     forbid = answers_of(check)
     results = None
     for n, case in enumerate(cases):
@@ -70,8 +78,7 @@ def run_cases(report: Report, check: str, cases, *, timeout: float, link=None, e
                                 rank_kwargs=case.rank_kwargs)  # fmt: skip
         if results is None or not case.judge(results):
             if not_reached:
-                for later in cases[n + 1 :]:
-                    report.fail(f"{later.what}: {NOT_REACHED}")
+                count_not_reached(report, [later.what for later in cases[n + 1 :]])
             return None
         if case.passed is not None:
             report.ok(f"{case.what}: {case.passed}")

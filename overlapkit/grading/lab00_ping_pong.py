@@ -10,7 +10,7 @@ from ..costmodel import fit_alpha_beta as reference_fit
 from ..pingpong import ping_pong as reference_ping_pong
 from ..sandbox import answers
 from ..sandbox.sealed import seal
-from .cases import Case, run_cases
+from .cases import Case, count_not_reached, run_cases
 from .common import human_bytes, human_seconds, plain_number, run_or_report
 from .exercises import answers_of
 from .report import Report
@@ -160,7 +160,9 @@ def check_ping_pong(ping_pong, timeout: float = 10.0) -> Report:
     # the kit's ping-pong, whatever its name, refuses to run (not in the timed calls
     # below: a watch slows each Python call a little)
     if run_cases(report, "check_ping_pong", cases, timeout=timeout) is None:
-        return report  # the timing would only echo what is wrong above
+        # the timing would only echo what is wrong above: not reached, it counts as failed
+        count_not_reached(report, [f"{human_bytes(4 << 20)}: the one-way time"])
+        return report
 
     # One-way, not round trip: compare with the kit, interleaved, at a size where
     # bandwidth dominates; per-round ratios, medians, and a second attempt only when
@@ -321,7 +323,7 @@ def check_fit_alpha_beta(fit_alpha_beta) -> Report:
     fit_alpha_beta = seal(fit_alpha_beta)  # called on a rank of its own, out of our reach
     sizes, exact, noisy = _fit_inputs()
     cases = [("measurements on the line", exact, 0.01), ("noisy measurements (±15%)", noisy, 0.35)]
-    for label, times, tol in cases:
+    for k, (label, times, tol) in enumerate(cases):
         try:
             with answers.running(answers_of("check_fit_alpha_beta")) as ran:
                 got = fit_alpha_beta(list(sizes), list(times))
@@ -329,12 +331,15 @@ def check_fit_alpha_beta(fit_alpha_beta) -> Report:
             report.fail(
                 f"{label}: not implemented yet (the function still raises NotImplementedError)"
             )
+            count_not_reached(report, [later for later, _, _ in cases[k + 1 :]])
             return report
         except Exception as exc:
             report.fail(f"{label}: raised {type(exc).__name__}: {exc}")
+            count_not_reached(report, [later for later, _, _ in cases[k + 1 :]])
             return report
         if ran:
             report.fail(f"{label}: your function {answers.said(ran)}")
+            count_not_reached(report, [later for later, _, _ in cases[k + 1 :]])
             return report
         # what the times come to, worked out only now (the link's α and β are nowhere in
         # this process while the learner's function runs): on the line, the link itself
@@ -343,6 +348,7 @@ def check_fit_alpha_beta(fit_alpha_beta) -> Report:
             got_a, got_b = (float(x) for x in got)
         except (TypeError, ValueError):
             report.fail(f"{label}: returned {got!r}; expected a pair (alpha, beta) of floats")
+            count_not_reached(report, [later for later, _, _ in cases[k + 1 :]])
             return report
         a_ok = math.isclose(got_a, want_a, rel_tol=tol)
         b_ok = math.isclose(got_b, want_b, rel_tol=tol)

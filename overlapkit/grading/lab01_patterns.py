@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import math
 import threading
 
@@ -20,6 +21,7 @@ import torch
 
 from ..costmodel import bytes_moved_per_rank
 from ..sandbox.sealed import seal
+from .cases import NOT_REACHED
 from .common import Unfinished, call_or_report, plain_number
 from .exercises import answers_of
 from .report import Report
@@ -216,66 +218,83 @@ CASES = [
 ]
 
 
-def _bytes_hint(collective: str, nbytes: float, world: int, got, want: float) -> str:
-    """What a wrong figure for ``bytes_moved`` is made of, when it is a typical one."""
+def _bytes_hints(collective: str, nbytes: float, world: int, got, want: float) -> list:
+    """What a wrong figure for ``bytes_moved`` may be made of: (kind, hint) for each typical
+    mistake it equals, most telling first (one figure may fit more than one)."""
     if got is None:
-        return " The function returned None: return the number of bytes."
+        return [("none", " The function returned None: return the number of bytes.")]
     if not isinstance(got, (int, float)):
-        return f" That is a {type(got).__name__}: return a number of bytes."
+        return [("type", f" That is a {type(got).__name__}: return a number of bytes.")]
 
     def near(x):
         return math.isclose(got, x, rel_tol=1e-9, abs_tol=1e-9)
 
+    out = []
     if world > 1 and near(want * world):
-        return " That is the total over all ranks; the question is per rank."
+        out.append(("total", " That is the total over all ranks; the question is per rank."))
     if world > 1 and near(nbytes * (world - 1)):
-        return " Each step moves one chunk of S/N bytes, not the whole tensor."
+        out.append(("whole", " Each step moves one chunk of S/N bytes, not the whole tensor."))
     if collective == "all_reduce" and near(want / 2):
-        return (
-            " That is one phase: an AllReduce is a ReduceScatter and then an AllGather, "
-            "N − 1 steps each."
-        )
+        out.append(("phase", " That is one phase: an AllReduce is a ReduceScatter and then an "
+                             "AllGather, N − 1 steps each."))  # fmt: skip
     if collective != "all_reduce" and near(want * 2):
-        return (
-            f" That is an AllReduce's figure: a {collective} is one phase, N − 1 steps of "
-            "one chunk (an AllReduce is two of them)."
-        )
+        out.append(("two phases", f" That is an AllReduce's figure: a {collective} is one "
+                                  "phase, N − 1 steps of one chunk (an AllReduce is two of "
+                                  "them)."))  # fmt: skip
+    if want and near(want * 2):
+        out.append(("both ways", " That is twice the figure: what a rank sends and what it "
+                                 "receives, counted together. The question counts what each "
+                                 "rank sends; it receives as much again, on the other "
+                                 "direction of its link."))  # fmt: skip
     if near(want * 8):
-        return " That is in bits: the question is in bytes."
+        out.append(("bits", " That is in bits: the question is in bytes."))
     if want and near(want / nbytes):
-        return " That is the share of S each rank sends: multiply it by nbytes."
+        out.append(("share", " That is the share of S each rank sends: multiply it by nbytes."))
     if world > 1 and got == 0:
-        return (
-            " Nothing moves only with one rank. Is it an integer division? (N - 1) // N "
-            "is 0: use /."
-        )
-    return ""
+        out.append(("zero", " Nothing moves only with one rank. Is it an integer division? "
+                            "(N - 1) // N is 0: use /."))  # fmt: skip
+    return out
+
+
+def _fitting(hints: list[list]) -> list[str]:
+    """One hint per wrong line, the same mistake on every line it fits: of each line's
+    candidates, the kind that fits the most wrong lines (a tie: the line's own order). A
+    figure wrong in one way may equal another mistake's on some lines (twice an AllReduce's
+    figure on 4 ranks is also the whole tensor each step)."""
+    counts: dict[str, int] = {}
+    for line in hints:
+        for kind, _ in line:
+            counts[kind] = counts.get(kind, 0) + 1
+    return [max(line, key=lambda h: counts[h[0]])[1] if line else "" for line in hints]
 
 
 def check_bytes_moved(bytes_moved) -> Report:
     """Check ``bytes_moved(collective, nbytes, world)``: bytes each rank sends in the ring."""
     report = Report("bytes_moved")
     bytes_moved = seal(bytes_moved)  # called on a rank of its own, out of our reach
-    for collective, nbytes, world in CASES:
-        label = f"bytes_moved({collective!r}, {int(nbytes):,}, {world})"
+    labels = [f"bytes_moved({c!r}, {int(n):,}, {w})" for c, n, w in CASES]
+    lines: list = []  # (passed, text, hint candidates): printed once every case has answered
+    for k, (collective, nbytes, world) in enumerate(CASES):
+        label = labels[k]
+        quiet = Report(report.exercise, file=io.StringIO())
         try:
-            fine, got = call_or_report(
-                report,
-                label,
-                bytes_moved,
-                collective,
-                nbytes,
-                world,
-                forbid=answers_of("check_bytes_moved"),
-            )
-        except Unfinished:
-            return report
+            fine, got = call_or_report(quiet, label, bytes_moved, collective, nbytes, world,
+                                       forbid=answers_of("check_bytes_moved"))  # fmt: skip
+        except Unfinished:  # the cases after it are not reached: each counts as failed
+            lines.append((False, quiet.cases[-1][1], []))
+            lines += [(False, f"{later}: {NOT_REACHED}", []) for later in labels[k + 1 :]]
+            break
         if not fine:
+            lines.append((False, quiet.cases[-1][1], []))
             continue
         want = bytes_moved_per_rank(collective, nbytes, world)
         if plain_number(got) and math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9):
-            report.ok(f"{label} = {want:,.0f}")
+            lines.append((True, f"{label} = {want:,.0f}", []))
             continue
-        hint = _bytes_hint(collective, nbytes, world, got, want)
-        report.fail(f"{label}: expected {want:,.0f}, got {got!r}.{hint}")
+        hints = _bytes_hints(collective, nbytes, world, got, want)
+        lines.append((False, f"{label}: expected {want:,.0f}, got {got!r}.", hints))
+    wrong = [hints for passed, _, hints in lines if not passed]
+    chosen = iter(_fitting(wrong))
+    for passed, text, _ in lines:
+        (report.ok if passed else report.fail)(text if passed else text + next(chosen))
     return report

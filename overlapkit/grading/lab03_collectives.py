@@ -41,6 +41,7 @@ from ..collectives import chunk_bounds
 from ..p2p import Link
 from ..sandbox import answers
 from . import traffic as recorder
+from .cases import count_not_reached
 from .common import _learner_line, report_failure, sealed_rank_hint
 from .exercises import answers_of
 from .lab01_patterns import _HOW, PARTS, collective_calls, made_of_problem, padding_advice
@@ -212,7 +213,7 @@ def _composition(got: torch.Tensor, parts: list[torch.Tensor]) -> list[int] | No
     return None
 
 
-def _explain_composition(m: list[int], rank: int) -> str:
+def _explain_composition(m: list[int], rank: int, pattern: str | None = None) -> str:
     terms = " ".join(
         f"{'-' if k < 0 else '+'} {abs(k) if abs(k) > 1 else ''}x{r}".replace("+ ", "+ ", 1)
         for r, k in enumerate(m)
@@ -232,6 +233,8 @@ def _explain_composition(m: list[int], rank: int) -> str:
             "receive (and add) in each step, (r-k-2) mod N in reduce-scatter, (r-k-1) mod N "
             "in all-gather."
         )
+    if pattern == "root":  # lab 02's master-worker: no chunks, no ring
+        return said + _root_composition(m, missing, doubled, negative)
     if sum(1 for k in m if k) == 1:
         return said + (
             ": one rank's values only. Either a received chunk replaced the local one "
@@ -252,6 +255,27 @@ def _explain_composition(m: list[int], rank: int) -> str:
         "(r-k-2), in each reduce-scatter step, and that all-gather copies a received chunk "
         "into place (it is already the full sum: adding counts it again); in master-worker, "
         "that the root adds its own values and every buffer it received."
+    )
+
+
+def _root_composition(m: list[int], missing, doubled, negative) -> str:
+    """What a wrong sum of the master-worker AllReduce (lab 02) is made of, in its terms."""
+    own = (
+        "In master-worker the root adds every buffer it received to its own values, in "
+        "`tensor` (tensor += buffer), then sends that sum back: a buffer copied into "
+        "`tensor`, or a sum started from zeros or from a fresh tensor, loses the root's own "
+        "input."
+    )
+    if sum(1 for k in m if k) == 1:
+        return ": one rank's values only. " + own
+    if missing == [0]:  # the root is rank 0
+        return ": rank 0's own values missing (the root's). " + own
+    notes = [f"rank(s) {r} {what}" for r, what in ((negative, "subtracted"),
+             (missing, "missing"), (doubled, "counted twice")) if r]  # fmt: skip
+    return (
+        f": {', '.join(notes)}. Every rank's values must be added exactly once: the root "
+        "adds its own values and every buffer it received, each received into a buffer "
+        "of its own (one buffer shared by all the receives keeps only the last message)."
     )
 
 
@@ -282,7 +306,7 @@ def _likely_cause(failing: list[str]) -> str:
 
 
 def _first_problem(results, world, expected, op, from_scratch, inputs=None,
-                   made_of=None) -> str | None:  # fmt: skip
+                   made_of=None, pattern=None) -> str | None:  # fmt: skip
     """The first thing wrong, said precisely; None if none. ``results``: (rank, cases,
     traffic) triples. Cases are visited in the order of :func:`_sizes` (most telling
     first), ranks in order."""
@@ -348,7 +372,7 @@ def _first_problem(results, world, expected, op, from_scratch, inputs=None,
         if op == "sum":
             m = _composition(got[lo:hi], parts)
             if m is not None:
-                message += " " + _explain_composition(m, rank)
+                message += " " + _explain_composition(m, rank, pattern)
         if hi - lo <= 8:
             message += _inputs_line(parts, want[lo:hi], got[lo:hi])
     return message + _likely_cause(failing)
@@ -406,30 +430,40 @@ def _check(name, fn, runner, expected, world_sizes, op, from_scratch, timeout,
                                    **extra)  # fmt: skip
         except CaseError as exc:  # a value wrong before the error says more than the error
             done = [(exc.rank, exc.done, Traffic())]
-            problem = _first_problem(done, world, expected, op, False, inputs, made_of)
+            problem = _first_problem(done, world, expected, op, False, inputs, made_of, pattern)
             text = f"rank {exc.rank} raised {exc}"
             if made_of and not problem:
                 problem = _made_of_failure(exc, world)
             report.fail(f"{what}: " + (problem or text + _explain_failure(str(exc))))
-            return report
+            return _stopped(report, name, world_sizes, world)
         except answers.AnswerRan as exc:
             # lab 01: the kit's whole AllReduce refused to run: say what the parts are
             report.fail(f"{what}: {exc}" + (f". Here {_HOW}, and no AllReduce." if made_of else ""))
-            return report
+            return _stopped(report, name, world_sizes, world)
         except Exception as exc:  # noqa: BLE001 - reported as the learner would want it
             explain = _explain_made_of(world) if made_of else _explain_failure
             report_failure(report, what, exc, timeout, explain)
-            return report
+            return _stopped(report, name, world_sizes, world)
         results = [(rank, cases, seen) for rank, (cases, seen) in enumerate(results)]
-        problem = _first_problem(results, world, expected, op, from_scratch, inputs, made_of)
+        problem = _first_problem(results, world, expected, op, from_scratch, inputs, made_of,
+                                 pattern)  # fmt: skip
         problem = problem or _pattern_problem(results, world, pattern, inputs)
         if problem:
             report.fail(problem)
-            return report  # one clear reason at a time: fix it, then run the check again
+            # one clear reason at a time: fix it, then run the check again
+            return _stopped(report, name, world_sizes, world)
         sizes = ", ".join(map(str, sorted(_sizes(world))))
         shape = {"ring": ", each rank sending only to its right neighbour, one chunk a step",
                  "root": ", through rank 0"}.get(pattern, "")  # fmt: skip
         report.ok(f"{world} ranks: correct on every rank for sizes {sizes}{shape}")
+    return report
+
+
+def _stopped(report: Report, name: str, world_sizes, world: int) -> Report:
+    """The report of a check stopped at its case on ``world`` ranks: the cases after it
+    (the other world sizes) count as failed, "not reached"."""
+    later = list(world_sizes)[list(world_sizes).index(world) + 1 :]
+    count_not_reached(report, [f"{name} on {w} ranks" for w in later])
     return report
 
 

@@ -3,8 +3,11 @@ trained as lab 06's is (:mod:`.lab06_ddp`), its buckets and their AllReduces in 
 
 from __future__ import annotations
 
+import io
+
 from ..costmodel import ddp_buckets
 from ..sandbox.sealed import seal
+from .cases import NOT_REACHED
 from .common import Unfinished, call_or_report
 from .exercises import answers_of
 from .lab06_ddp import (
@@ -48,25 +51,45 @@ def check_assign_buckets(assign_buckets) -> Report:
     """
     report = Report("assign_buckets")
     assign_buckets = seal(assign_buckets)  # called on a rank of its own, out of our reach
-    for what, sizes, mb in BUCKET_CASES:
+    lines: list = []  # (passed, text) or (what, sizes, mb, got): printed once all answered
+    for k, (what, sizes, mb) in enumerate(BUCKET_CASES):
+        quiet = Report(report.exercise, file=io.StringIO())
         try:
-            ran, got = call_or_report(report, what, assign_buckets, list(sizes), mb,
+            ran, got = call_or_report(quiet, what, assign_buckets, list(sizes), mb,
                                       forbid=answers_of("check_assign_buckets"))  # fmt: skip
-        except Unfinished:
-            return report
+        except Unfinished:  # the cases after it are not reached: each counts as failed
+            lines.append(quiet.cases[-1])
+            lines += [(False, f"{case[0]}: {NOT_REACHED}") for case in BUCKET_CASES[k + 1 :]]
+            break
         if not ran:
+            lines.append(quiet.cases[-1])
             continue
-        want = ddp_buckets(sizes, mb)  # after the call: nothing on its stack holds the answer
         if isinstance(got, tuple):
             got = list(got)
         if isinstance(got, list) and all(isinstance(b, (list, tuple)) for b in got):
             got = [list(b) for b in got]
+        lines.append((what, sizes, mb, got))
+    # a limit read as KiB shows only across the cases: on one, 2 KiB and 2 × 10**6 bytes
+    # may cut the same buckets
+    answered = [line for line in lines if len(line) == 4 and line[2] is not None]
+    kib = bool(answered) and all(got == _kib(sizes, mb) for _, sizes, mb, got in answered)
+    for line in lines:
+        if len(line) == 2:
+            (report.ok if line[0] else report.fail)(line[1])
+            continue
+        what, sizes, mb, got = line
+        want = ddp_buckets(sizes, mb)  # after the calls: nothing on their stack holds it
         if got == want:
             report.ok(f"{what}: {_show(want, sizes)}")
         else:
-            hint = _bucket_hint(got, want, sizes, mb)
+            hint = _bucket_hint(got, want, sizes, mb, kib)
             report.fail(f"{what}, bucket_mb={mb}: got {got!r}; expected {want}.{hint}")
     return report
+
+
+def _kib(sizes, mb):
+    """The buckets of a bucketer that reads ``bucket_mb`` as KiB (× 2**10 bytes)."""
+    return ddp_buckets(sizes, mb * 2**10 / 2**20)
 
 
 def _show(buckets, sizes) -> str:
@@ -79,7 +102,9 @@ def _strict(sizes, mb):
     return ddp_buckets(sizes, (mb * 2**20 - 1) / 2**20)
 
 
-def _bucket_hint(got, want, sizes, mb) -> str:
+def _bucket_hint(got, want, sizes, mb, kib: bool = False) -> str:
+    """Why ``got`` differs from ``want``; ``kib``: the answers of every case are what a
+    limit read as KiB gives."""
     if not isinstance(got, list) or not all(isinstance(b, list) for b in got):
         return (
             f" Return a list of buckets, each a list of gradient indices (got a "
@@ -110,6 +135,11 @@ def _bucket_hint(got, want, sizes, mb) -> str:
         )
     if mb is None:
         return " bucket_mb=None means no limit: one bucket holds every gradient."
+    if kib and got == _kib(sizes, mb):  # every case's buckets are those of a KiB limit
+        return (
+            f" These are buckets of {mb:g} KiB ({mb:g} × 2**10 = {mb * 2**10:g} bytes): "
+            "bucket_mb counts MiB, 1 MiB = 2**20 = 1048576 bytes, 1024 times as many."
+        )
     decimal = got in (ddp_buckets(sizes, mb * 10**6 / 2**20),
                       ddp_buckets(sizes, mb * 1000 * 1024 / 2**20))  # fmt: skip
     strict = got == _strict(sizes, mb)

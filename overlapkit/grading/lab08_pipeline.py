@@ -14,12 +14,15 @@ from ..pipeline import make_schedule
 from ..plans import PIPELINE, PlanSyntaxError
 from ..sandbox import answers
 from ..sandbox.sealed import seal
+from .cases import NOT_REACHED, count_not_reached
 from .common import Unfinished, call_or_report, run_or_report
 from .exercises import answers_of
 from .lab03_collectives import CHECK_LINK
 from .report import Report
 
 SCHEDULE_CASES = [(2, 4), (2, 1), (3, 4), (4, 6), (4, 2), (2, 7)]
+#: check_gpipe_step's last case, named on its ✘ line when an earlier case failed
+OVERLAP = "overlap (rank 0's sends in flight during its next forwards, nothing blocking)"
 
 
 def _as_strings(plan) -> list[list[str]] | None:
@@ -55,14 +58,20 @@ def _plans(quiet: Report, one_f_one_b) -> list:
     that returned, its ✘ line ([passed, message], from ``quiet``) for one that did not."""
     plans = []
     for p, m in SCHEDULE_CASES:
-        what = f"{p} stages, {m} micro-batch{'es' if m > 1 else ''}"
+        what = _what(p, m)
         try:
             ran, plan = call_or_report(quiet, what, one_f_one_b, p, m)
         except Unfinished:
             plans.append(list(quiet.cases[-1]))
+            rest = SCHEDULE_CASES[len(plans) :]  # not reached: each counts as failed
+            plans += [[False, f"{_what(p, m)}: {NOT_REACHED}"] for p, m in rest]
             break
         plans.append((p, m, what, plan) if ran else list(quiet.cases[-1]))
     return plans
+
+
+def _what(p: int, m: int) -> str:
+    return f"{p} stages, {m} micro-batch{'es' if m > 1 else ''}"
 
 
 def _judge_schedule(report: Report, p: int, m: int, what: str, plan) -> None:
@@ -301,16 +310,21 @@ def check_gpipe_step(gpipe_step, micro_batches: int = 4, timeout: float = 30.0) 
     exercise defines (m activations of about batch/m rows out, m gradients back; the batch
     of 10 is no square, so chunks *of* m rows never come out as m chunks), the gradients
     against one device on the whole batch; then that rank 0's activation sends overlap its
-    next forward."""
+    next forward. The check stops at its first failure; the cases after it count as not
+    passed ("not reached"), so the score is out of all 4."""
     report = Report("gpipe_step")
-    for m in (1, micro_batches, 3):
+    counts = (1, micro_batches, 3)
+    whats = [f"gpipe_step with {m} micro-batch(es) on 2 ranks" for m in counts] + [OVERLAP]
+    for n, m in enumerate(counts):
         seeds = (secrets.randbits(62), secrets.randbits(62))
-        results = run_or_report(report, f"gpipe_step with {m} micro-batch(es) on 2 ranks",
+        later = whats[n + 1 :]  # the cases not reached when this one fails: count as failed
+        results = run_or_report(report, whats[n],
                                 _run_step, gpipe_step, m, world_size=2, timeout=timeout,
                                 link=CHECK_LINK, explain=_explain,
                                 forbid=answers_of("check_gpipe_step"),
                                 rank_kwargs=[{"seed": seed} for seed in seeds])  # fmt: skip
         if results is None:
+            count_not_reached(report, later)
             return report
         _wants(results, m, seeds)
         for rank, (_, traffic) in enumerate(results):
@@ -321,9 +335,11 @@ def check_gpipe_step(gpipe_step, micro_batches: int = 4, timeout: float = 30.0) 
                     "only the kit's messages go over the emulated link (and only they are "
                     "seen here)"
                 )
+                count_not_reached(report, later)
                 return report
         counted = _counted(report, results, m)
         if counted is None or not _compare(report, results, m, counted):
+            count_not_reached(report, later)
             return report
     sends = results[0][0]["sends"]
     computes = results[0][0]["computes"]

@@ -19,7 +19,9 @@ baseline that hides nothing) do not count. (Rows that are measure()'s own result
 unless the machine changed a lot since; these bands stop a made-up note, not a learner.)
 The goal (hide at least half, no slower) is judged on the re-measurement's interleaved
 medians, not on the table's own pair: on a busy machine one launch of the same
-configuration may take 45 ms and the next 136 ms.
+configuration may take 45 ms and the next 136 ms. The goal gates the score: a table that
+agrees earns its ✔ lines only with the goal met; a configuration that misses it (one that
+tunes nothing, like ``naive``, included) scores 0 whatever else passed.
 """
 
 from __future__ import annotations
@@ -471,7 +473,9 @@ def check_tuning(report_table, tuned, target_hidden: float = TARGET_HIDDEN,
     docstring): every reported number must lie where one measurement of its configuration
     falls here, or the exercise earns nothing. Last, the goal, judged on the
     re-measurement (not on the table's own pair): the tuned step hides at least
-    ``target_hidden`` of its communication and is no slower than before. ``timeout``: seconds
+    ``target_hidden`` of its communication and is no slower than before. The goal gates the
+    score: missed, the exercise scores 0 (:attr:`Report.void`), its table's ✔ lines
+    notwithstanding — they only confirm what the goal is judged on. ``timeout``: seconds
     for the whole re-measurement; ``rounds``: per batch."""
     report = Report("tuning")
     if tuned is None and report_table is None:
@@ -538,30 +542,45 @@ def _judge(report: Report, table: dict, tuned: dict, target: float, measured: _M
     # own pair: one launch on a busy machine may hide less, or step slower, than the next
     own_hidden = table["after"]["hidden"]
     own_ratio = table["after"]["step_ms"] / table["before"]["step_ms"]
-    report.check(  # fails only where the re-measurement shows it: a doubt counts for it
-        hidden + hidden_doubt >= target,
+    hides = hidden + hidden_doubt >= target  # fails only where the re-measurement shows it
+    no_slower = ratio - ratio_doubt <= SLOWER  # a doubt counts for it
+    report.check(
+        hides,
         f"after: {hidden:.2f} of the communication hidden (median of {n} re-measurements, "
         f"± {hidden_doubt:.2f}; target {target:g})"
         + (f"; your own pair showed {own_hidden:.2f}{SPELL}" if own_hidden < target else ""),
         f"after: only {hidden:.2f} of the communication hidden (median of {n} "
-        f"re-measurements, ± {hidden_doubt:.2f}); the target is {target:g}. " + _hidden_hint(tuned),
+        f"re-measurements, ± {hidden_doubt:.2f}), {target - hidden:.2f} short of the target "
+        f"{target:g}{GOAL_MISSED}. " + _hidden_hint(tuned),
     )
     report.check(
-        ratio - ratio_doubt <= SLOWER,
+        no_slower,
         f"after: the step takes {ratio:.2f}× before's (median of {n} interleaved pairs, "
         f"± {ratio_doubt:.2f}): within the {SLOWER:g}× this machine's noise allows"
         + (" once the ± is counted" if ratio > SLOWER else "")
         + (f"; your own pair showed {own_ratio:.2f}×{SPELL}" if own_ratio > SLOWER else ""),
         f"after: the step got slower: {ratio:.2f}× before's (median of {n} interleaved "
-        f"pairs, ± {ratio_doubt:.2f})"
+        f"pairs, ± {ratio_doubt:.2f}), above the {SLOWER:g}× this machine's noise allows"
         + (
-            ": hiding communication must not cost more than it hides — too many small "
-            "AllReduces each pay the link's latency and the host's cost"
-            if hidden + hidden_doubt >= target
+            ". Hiding communication must not cost more than it hides: too many small "
+            "AllReduces each pay the link's latency and the host's cost. The goal is missed, "
+            "so this exercise earns nothing (the ✔ lines above only confirm that the table "
+            "is what measure() returned)"
+            if hides
             else ""
         )
         + _busy(),  # fmt: skip
     )
+    if not (hides and no_slower):  # the table's ✔ lines only confirm what the goal is judged on
+        report.void = f"the goal (hide at least {target:g}, no slower) was missed"
+
+
+#: on the first ✘ line of a missed goal (the hidden share's): the table's ✔ lines count
+#: only with the goal
+GOAL_MISSED = (
+    ": the goal is missed, so this exercise earns nothing (the ✔ lines above only confirm "
+    "that the table is what measure() returned)"
+)
 
 
 def _busy() -> str:

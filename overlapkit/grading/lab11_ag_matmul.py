@@ -293,6 +293,15 @@ def _ag_block_line(what, rank, src, block, res, world) -> str:
             "receive buffer full of NaN until its wait() returns (so the race shows every "
             "run, not one in ten). Wait for the receive before multiplying the shard it brings"
         )
+    mine = res["shards"][rank]  # this rank's own shard's product
+    blocks = [res["got"][b * ROWS : (b + 1) * ROWS] for b in range(world)]
+    if src != rank and all(torch.allclose(b, mine, atol=1e-5) for b in blocks):
+        return (
+            f"{where} — every block holds shard {rank}'s product, this rank's own: the "
+            "shards it received were never multiplied. After each step's wait, take the "
+            "received shard in hand (the tensor it was received into) and multiply that one "
+            "next, then pass it on"
+        )
     others = [r for r in range(world) if r != src]
     holds = next((r for r in others if torch.allclose(block, res["shards"][r], atol=1e-5)), None)
     if holds is not None:

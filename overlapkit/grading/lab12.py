@@ -40,6 +40,7 @@ from ..launcher import launch
 from ..plans import FSDP, Finish, PlanSyntaxError, Problem, UnitAction
 from ..sandbox import answers
 from ..sandbox.sealed import seal
+from .cases import NOT_REACHED
 from .common import Unfinished, call_or_report, judge_against_one_process
 from .exercises import answers_of
 from .report import Report
@@ -49,6 +50,11 @@ CASES = [(4, 0), (4, 1), (5, 2), (1, 0), (2, 3)]
 DRAWN = [(n, p) for n in range(3, 41) for p in range(1, 7) if (n, p) not in CASES]
 
 
+def _what(case: tuple[int, int]) -> str:
+    n, p = case
+    return f"{n} unit{'s' if n > 1 else ''}, prefetch {p}"
+
+
 def check_fsdp_plan(fsdp_plan) -> Report:
     """Check ``fsdp_plan(units, prefetch)`` → a list of actions (see the module docstring)."""
     report = Report("fsdp_plan")
@@ -56,14 +62,14 @@ def check_fsdp_plan(fsdp_plan) -> Report:
     rng = random.SystemRandom()
     cases = [*CASES, *rng.sample(DRAWN, 2)]
     quiet = Report(report.exercise, file=io.StringIO())
-    plans = []
+    plans, whats = [], [_what(case) for case in cases]  # named here: not while watched
     with answers.running(answers_of("check_fsdp_plan")) as ran:
-        for n, p in cases:
-            what = f"{n} unit{'s' if n > 1 else ''}, prefetch {p}"
+        for (n, p), what in zip(cases, whats, strict=True):
             try:
                 called, plan = call_or_report(quiet, what, fsdp_plan, n, p)
-            except Unfinished:
+            except Unfinished:  # the cases after it are not reached: each counts as failed
                 plans.append((what, None, None, quiet.cases[-1][1]))
+                plans += [(w, None, None, f"{w}: {NOT_REACHED}") for w in whats[len(plans) :]]
                 break
             said = quiet.cases[-1][1] if not called else ""
             if "cannot pickle 'generator'" in said:  # the value travels back pickled

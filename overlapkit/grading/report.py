@@ -17,6 +17,9 @@ class Report:
         self.exercise = exercise
         self.cases: list[tuple[bool, str]] = []
         self._file = file
+        #: why the exercise earns nothing whatever its ✔ lines (a check whose ✔ lines
+        #: only confirm what its goal is judged on sets it when the goal is missed)
+        self.void: str | None = None
 
     def _print(self, line: str) -> None:
         print(line, file=self._file or sys.stdout, flush=True)
@@ -43,7 +46,9 @@ class Report:
 
     @property
     def score(self) -> float:
-        """Fraction of cases passed (0 when nothing ran)."""
+        """Fraction of cases passed (0 when nothing ran, or when :attr:`void`)."""
+        if self.void is not None:
+            return 0.0
         return self.passed / self.total if self.total else 0.0
 
     @property
@@ -51,7 +56,8 @@ class Report:
         return self.total > 0 and self.passed == self.total
 
     def __repr__(self) -> str:
-        return f"{self.exercise}: {self.passed}/{self.total} checks passed"
+        void = f"; it scores 0: {self.void}" if self.void is not None else ""
+        return f"{self.exercise}: {self.passed}/{self.total} checks passed{void}"
 
     def to_dict(self) -> dict:
         return {
