@@ -161,6 +161,23 @@ def is_check(source: str) -> bool:
 #: the tag of a cell whose printed output would give an exercise's answer away (its ✔-like
 #: "yours: the same", the values the answer returns): the students' edition keeps its figures
 ANSWER_OUTPUT = "answer-output"
+#: the tag of a text cell that explains an exercise's answer once its check has passed: the
+#: notebook keeps it in the flow (the learner reaches it after the check); the students'
+#: book, which a learner may read ahead, folds it away under a title that says when to open it
+AFTER_CHECK = "after-check"
+AFTER_CHECK_TITLE = "After your check passes: what it shows"
+
+
+def folded(source: str, where: str) -> str:
+    """``source`` (MyST) inside a dropdown that starts closed; its fence longer than any
+    fence in it. A heading cannot go inside (it would leave the page's outline)."""
+    if any(line.startswith("#") for line in source.splitlines()):
+        raise ValueError(f"{where}: a cell tagged {AFTER_CHECK!r} holds a heading; tag the "
+                         "paragraphs after it instead")  # fmt: skip
+    ticks = "`" * max([3] + [len(m) + 1 for m in re.findall(r"`{3,}", source)])
+    return f"{ticks}{{dropdown}} {AFTER_CHECK_TITLE}\n{source}\n{ticks}"
+
+
 #: an absolute path into the checkout the notebooks ran in: a page shows it from the checkout
 _CHECKOUT_PATH = re.compile(r"(?<![\w.])/[^\s'\"]*?/((?:overlapkit|solutions|labs)/)")
 
@@ -183,7 +200,8 @@ def _relative_paths(nb, folder: str = "solutions"):
 def students_view(nb):
     """The executed solution as a learner may see it: every exercise region as in labs/, its
     cell's outputs dropped (they come from the answer), as are a check's; a cell tagged
-    ``answer-output`` keeps its figures only; every other output kept."""
+    ``answer-output`` keeps its figures only; every other output kept. Text tagged
+    ``after-check`` is folded away (:func:`folded`)."""
     nb = _relative_paths(without_widgets(copy.deepcopy(nb)), folder="labs")
     for i, cell in enumerate(nb.cells):
         answer = has_exercise(cell.source) or "### BEGIN HIDDEN TESTS" in cell.source
@@ -194,6 +212,8 @@ def students_view(nb):
             cell.execution_count = None
         elif ANSWER_OUTPUT in cell.metadata.get("tags", []):
             cell.outputs = _figures_only(cell.outputs)
+        elif cell.cell_type == "markdown" and AFTER_CHECK in cell.metadata.get("tags", []):
+            cell.source = folded(cell.source, f"cell {i}")
     return nb
 
 

@@ -45,7 +45,13 @@ def test_the_students_view_of_a_lab_shows_no_answer_nor_a_printout_that_gives_it
     executed = _with_outputs(nbformat.read(solution, as_version=4))
     view = bookgen.students_view(executed)
     lab = make_lab(nbformat.read(solution, as_version=4), solution.name)
-    assert [c.source for c in view.cells] == [c.source for c in lab.cells]
+    expected = [
+        bookgen.folded(c.source, "")
+        if c.cell_type == "markdown" and bookgen.AFTER_CHECK in c.metadata.get("tags", [])
+        else c.source
+        for c in lab.cells
+    ]
+    assert [c.source for c in view.cells] == expected
     for original, shown in zip(executed.cells, view.cells, strict=True):
         if original.cell_type != "code":
             continue
@@ -54,6 +60,33 @@ def test_the_students_view_of_a_lab_shows_no_answer_nor_a_printout_that_gives_it
         # a cell whose printout gives the answer away keeps its figures (these are text)
         answer = answer or bookgen.ANSWER_OUTPUT in original.metadata.get("tags", [])
         assert shown.outputs == ([] if answer else original.outputs), original.source[:80]
+
+
+def test_text_that_explains_an_answer_is_folded_away_in_the_students_book_only():
+    text = "The rule: stage $s$ runs $\\min(p - s - 1, m)$ forwards.\n\n```text\nx\n```"
+    cell = nbformat.v4.new_markdown_cell(text, metadata={"tags": [bookgen.AFTER_CHECK]})
+    nb = nbformat.v4.new_notebook(cells=[cell])
+    shown = bookgen.students_view(nb).cells[0].source
+    assert shown.startswith("````{dropdown} " + bookgen.AFTER_CHECK_TITLE + "\n" + text)
+    assert shown.endswith("\n````")
+    assert bookgen.instructors_view(nb).cells[0].source == text
+    heading = nbformat.v4.new_markdown_cell("## 3. x", metadata={"tags": [bookgen.AFTER_CHECK]})
+    with pytest.raises(ValueError, match="heading"):
+        bookgen.students_view(nbformat.v4.new_notebook(cells=[heading]))
+
+
+def test_every_tagged_explanation_folds_on_its_lab_page():
+    tagged = [
+        (s.stem, i)
+        for s in SOLUTIONS
+        for i, c in enumerate(nbformat.read(s, as_version=4).cells)
+        if bookgen.AFTER_CHECK in c.metadata.get("tags", [])
+    ]
+    assert len(tagged) >= 2, tagged  # labs 04 and 08 explain their exercises' answers
+    for stem, i in tagged:
+        nb = nbformat.read(ROOT / "solutions" / f"{stem}.ipynb", as_version=4)
+        assert nb.cells[i].cell_type == "markdown", (stem, i)
+        bookgen.students_view(nb)  # raises on a tagged heading
 
 
 def test_a_page_shows_paths_inside_the_checkout_not_the_machines_own():
