@@ -274,8 +274,14 @@ _TO_INSTRUCTORS = re.compile(
 
 
 def _unlinked(text: str) -> str:
-    """The students' edition keeps the words of a link to an instructors' page, not the link."""
-    return _TO_INSTRUCTORS.sub(r"\1 (in the instructors' edition)", text)
+    """The students' edition keeps the words of a link to an instructors' page, not the link,
+    and says where the page is unless the words already do."""
+
+    def words(link: re.Match) -> str:
+        said = link[1]
+        return said if "instructor" in said.lower() else f"{said} (in the instructors' edition)"
+
+    return _TO_INSTRUCTORS.sub(words, text)
 
 
 def stage(edition: str, executed: Path, staging: Path, book: Path = ROOT / "book") -> list[str]:

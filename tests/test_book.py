@@ -89,6 +89,17 @@ def test_every_tagged_explanation_folds_on_its_lab_page():
         bookgen.students_view(nb)  # raises on a tagged heading
 
 
+def test_the_students_book_keeps_the_words_of_a_link_to_an_instructors_page_not_the_link():
+    text = (
+        "see [Grading](grading.md#limits), the [instructors' part](instructors/index.md), "
+        "[the notes](notes/index.md) and [PyTorch](https://pytorch.org/instructors/x)"
+    )
+    assert bookgen._unlinked(text) == (
+        "see Grading (in the instructors' edition), the instructors' part, "
+        "[the notes](notes/index.md) and [PyTorch](https://pytorch.org/instructors/x)"
+    )
+
+
 def test_a_page_shows_paths_inside_the_checkout_not_the_machines_own():
     cell = nbformat.v4.new_code_cell("print(path)")
     text = "/tmp/x/solutions/lab10-traces/a.json\n/home/me/kit/overlapkit/_rank.py:2: Warning\n"
