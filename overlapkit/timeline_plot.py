@@ -99,7 +99,7 @@ def _legend(ax, timeline, rows: list, colors: dict) -> None:
         handles=handles,
         loc="upper center",
         bbox_to_anchor=(0.5, 0.0),
-        borderaxespad=3.4,
+        borderaxespad=4.4,
         ncol=len(handles),
         frameon=False,
         fontsize=8,
