@@ -163,19 +163,20 @@ def is_check(source: str) -> bool:
 ANSWER_OUTPUT = "answer-output"
 #: the tag of a text cell that explains an exercise's answer once its check has passed: the
 #: notebook keeps it in the flow (the learner reaches it after the check); the students'
-#: book, which a learner may read ahead, folds it away under a title that says when to open it
+#: book, which a learner may read ahead, leaves it out and says so in one line
 AFTER_CHECK = "after-check"
-AFTER_CHECK_TITLE = "After your check passes: what it shows"
+#: what the students' edition shows in place of such a cell
+WITHHELD = ("*Here the notebook explains the answer to the exercise above, once your check "
+            "passes; the book leaves it out, so that it gives no answer away.*")  # fmt: skip
 
 
-def folded(source: str, where: str) -> str:
-    """``source`` (MyST) inside a dropdown that starts closed; its fence longer than any
-    fence in it. A heading cannot go inside (it would leave the page's outline)."""
+def withheld(source: str, where: str) -> str:
+    """The line that stands for a cell tagged :data:`AFTER_CHECK` in the students' edition.
+    A heading cannot be withheld (the page's outline would lose it)."""
     if any(line.startswith("#") for line in source.splitlines()):
         raise ValueError(f"{where}: a cell tagged {AFTER_CHECK!r} holds a heading; tag the "
                          "paragraphs after it instead")  # fmt: skip
-    ticks = "`" * max([3] + [len(m) + 1 for m in re.findall(r"`{3,}", source)])
-    return f"{ticks}{{dropdown}} {AFTER_CHECK_TITLE}\n{source}\n{ticks}"
+    return WITHHELD
 
 
 #: an absolute path into the checkout the notebooks ran in: a page shows it from the checkout
@@ -201,7 +202,7 @@ def students_view(nb):
     """The executed solution as a learner may see it: every exercise region as in labs/, its
     cell's outputs dropped (they come from the answer), as are a check's; a cell tagged
     ``answer-output`` keeps its figures only; every other output kept. Text tagged
-    ``after-check`` is folded away (:func:`folded`)."""
+    ``after-check`` is left out, with a line saying so (:func:`withheld`)."""
     nb = _relative_paths(without_widgets(copy.deepcopy(nb)), folder="labs")
     for i, cell in enumerate(nb.cells):
         answer = has_exercise(cell.source) or "### BEGIN HIDDEN TESTS" in cell.source
@@ -213,7 +214,7 @@ def students_view(nb):
         elif ANSWER_OUTPUT in cell.metadata.get("tags", []):
             cell.outputs = _figures_only(cell.outputs)
         elif cell.cell_type == "markdown" and AFTER_CHECK in cell.metadata.get("tags", []):
-            cell.source = folded(cell.source, f"cell {i}")
+            cell.source = withheld(cell.source, f"cell {i}")
     return nb
 
 

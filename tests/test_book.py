@@ -46,7 +46,7 @@ def test_the_students_view_of_a_lab_shows_no_answer_nor_a_printout_that_gives_it
     view = bookgen.students_view(executed)
     lab = make_lab(nbformat.read(solution, as_version=4), solution.name)
     expected = [
-        bookgen.folded(c.source, "")
+        bookgen.withheld(c.source, "")
         if c.cell_type == "markdown" and bookgen.AFTER_CHECK in c.metadata.get("tags", [])
         else c.source
         for c in lab.cells
@@ -62,20 +62,18 @@ def test_the_students_view_of_a_lab_shows_no_answer_nor_a_printout_that_gives_it
         assert shown.outputs == ([] if answer else original.outputs), original.source[:80]
 
 
-def test_text_that_explains_an_answer_is_folded_away_in_the_students_book_only():
-    text = "The rule: stage $s$ runs $\\min(p - s - 1, m)$ forwards.\n\n```text\nx\n```"
+def test_text_that_explains_an_answer_is_left_out_of_the_students_book_only():
+    text = "The rule: stage $s$ runs $\\min(p - s - 1, m)$ forwards."
     cell = nbformat.v4.new_markdown_cell(text, metadata={"tags": [bookgen.AFTER_CHECK]})
     nb = nbformat.v4.new_notebook(cells=[cell])
-    shown = bookgen.students_view(nb).cells[0].source
-    assert shown.startswith("````{dropdown} " + bookgen.AFTER_CHECK_TITLE + "\n" + text)
-    assert shown.endswith("\n````")
+    assert bookgen.students_view(nb).cells[0].source == bookgen.WITHHELD
     assert bookgen.instructors_view(nb).cells[0].source == text
     heading = nbformat.v4.new_markdown_cell("## 3. x", metadata={"tags": [bookgen.AFTER_CHECK]})
     with pytest.raises(ValueError, match="heading"):
         bookgen.students_view(nbformat.v4.new_notebook(cells=[heading]))
 
 
-def test_every_tagged_explanation_folds_on_its_lab_page():
+def test_every_explanation_of_an_answer_is_tagged_where_it_can_be_left_out():
     tagged = [
         (s.stem, i)
         for s in SOLUTIONS
