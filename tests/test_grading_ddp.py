@@ -1,5 +1,7 @@
 """The checks of labs 06 and 07 name each typical mistake (learners' wrappers and bucketers)."""
 
+import operator
+
 import torch
 import torch.distributed as dist
 
@@ -155,14 +157,15 @@ def test_a_gradient_whose_elements_disagree_by_different_factors_is_called_a_rac
 # ----------------------------------------------------------------------------- lab 07
 
 
-def _bucketer(unit):
-    """The greedy bucket loop with a limit of ``bucket_mb * unit`` bytes."""
+def _bucketer(unit, fits=operator.le):
+    """The greedy bucket loop with a limit of ``bucket_mb * unit`` bytes, a gradient joining
+    the bucket while ``fits(total, limit)``."""
 
     def assign(sizes, bucket_mb):
         limit = float("inf") if bucket_mb is None else bucket_mb * unit
         buckets, total = [], 0
         for i, n in enumerate(sizes):
-            if buckets and total + n <= limit:
+            if buckets and fits(total + n, limit):
                 buckets[-1].append(i)
                 total += n
             else:
@@ -181,18 +184,7 @@ def test_assign_buckets_solution_passes():
 
 
 def test_assign_buckets_strict_limit_is_named():
-    def strict(sizes, bucket_mb):
-        limit = float("inf") if bucket_mb is None else bucket_mb * 2**20
-        buckets, total = [], 0
-        for i, n in enumerate(sizes):
-            if buckets and total + n < limit:
-                buckets[-1].append(i)
-                total += n
-            else:
-                buckets.append([i])
-                total = n
-        return buckets
-
+    strict = _bucketer(2**20, operator.lt)
     assert "(≤, not <)" in _lines(ok.grading.check_assign_buckets(strict))
 
 
