@@ -41,7 +41,7 @@ from pathlib import Path
 import nbformat
 
 from overlapkit import __version__
-from overlapkit.labgen import _DIRECTIVE, has_exercise, lab_cell_source
+from overlapkit.labgen import _DIRECTIVE, AFTER_CHECK, has_exercise, lab_cell_source
 
 ROOT = Path(__file__).resolve().parent.parent
 EDITIONS = ("students", "instructors")
@@ -161,10 +161,6 @@ def is_check(source: str) -> bool:
 #: the tag of a cell whose printed output would give an exercise's answer away (its ✔-like
 #: "yours: the same", the values the answer returns): the students' edition keeps its figures
 ANSWER_OUTPUT = "answer-output"
-#: the tag of a text cell that explains an exercise's answer once its check has passed: the
-#: notebook keeps it in the flow (the learner reaches it after the check); the students'
-#: book, which a learner may read ahead, leaves it out and says so in one line
-AFTER_CHECK = "after-check"
 #: what the students' edition shows in place of such a cell
 WITHHELD = ("*Here the notebook explains the answer to the exercise above, once your check "
             "passes; the book leaves it out, so that it gives no answer away.*")  # fmt: skip

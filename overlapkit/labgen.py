@@ -99,6 +99,12 @@ def stamp(nb: nbformat.NotebookNode, name: str) -> None:
     }
 
 
+#: the tag of a text cell that explains an exercise's answer, to be read once its check
+#: passes: the student notebook shows it collapsed (nbformat's ``jupyter.source_hidden``,
+#: which JupyterLab draws as a bar to click open), the students' book leaves it out
+AFTER_CHECK = "after-check"
+
+
 def make_lab(solution: nbformat.NotebookNode, name: str = "notebook") -> nbformat.NotebookNode:
     """The student notebook for a solution notebook (a new object; the input is untouched),
     stamped with the lab's identity (``name``: the solution's file name)."""
@@ -110,6 +116,8 @@ def make_lab(solution: nbformat.NotebookNode, name: str = "notebook") -> nbforma
             cell.outputs = []
             cell.execution_count = None
         cell.metadata.pop("execution", None)
+        if AFTER_CHECK in cell.metadata.get("tags", []):  # collapsed until the learner opens it
+            cell.metadata.setdefault("jupyter", {})["source_hidden"] = True
     return lab
 
 

@@ -58,6 +58,15 @@ def test_outputs_and_execution_counts_are_cleared_without_touching_the_solution(
     assert solution.cells[0].outputs and solution.cells[0].execution_count == 4
 
 
+def test_an_explanation_of_the_answer_is_collapsed_in_the_lab_and_open_in_the_solution():
+    tagged = new_markdown_cell("the rule", metadata={"tags": [labgen.AFTER_CHECK]})
+    nb = new_notebook(cells=[tagged, new_markdown_cell("the next section")])
+    lab = labgen.make_lab(nb)
+    assert lab.cells[0].metadata["jupyter"] == {"source_hidden": True}
+    assert lab.cells[0].source == "the rule"  # there to open once the check passes
+    assert "jupyter" not in lab.cells[1].metadata and "jupyter" not in nb.cells[0].metadata
+
+
 def test_generate_writes_reports_and_removes_strays(tmp_path):
     sol, labs = tmp_path / "solutions", tmp_path / "labs"
     sol.mkdir()
