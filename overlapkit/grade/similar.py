@@ -57,31 +57,33 @@ def _safe(name: str) -> str:
 
 
 def export(subs: list[Submission], labs: Path, folder: Path, lab=None) -> dict[str, list[Path]]:
-    """Write each submission's exercise code to ``folder/<lab>/<student>.py`` and the lab's
-    own to ``folder/given/<lab>/<lab>.py``; returns the files per lab. A notebook that
-    cannot be read or told apart is skipped with a line on stderr."""
+    """Write each submission's exercise code to ``folder/<lab>/<student>.py`` and its lab's
+    own to ``folder/given/<lab>/<lab>.py``, each lab read once; returns the files per lab.
+    The lab is the one ``layout.find`` told (``Submission.lab``); a notebook that cannot be
+    read or told apart is skipped with a line on stderr (``lab``: the ``--lab`` given, for
+    what that line says)."""
     written: dict[str, list[Path]] = {}
+    names: dict[str, list[str]] = {}  # the exercises' names, per lab
     for sub in subs:
         try:
             nb = nbformat.read(sub.path, as_version=4)
         except Exception as exc:  # noqa: BLE001 - say which file, go on with the rest
             print(f"similarity: skipped {sub.path}: cannot be read ({exc})", file=sys.stderr)
             continue
-        identity = identify(sub.path, labs, nb.metadata, lab)
-        if identity.error:
-            print(f"similarity: skipped {sub.path}: {identity.error}", file=sys.stderr)
+        if sub.lab is None:  # why not: identify says it in full
+            why = identify(sub.path, labs, nb.metadata, lab).error
+            print(f"similarity: skipped {sub.path}: {why}", file=sys.stderr)
             continue
-        given = nbformat.read(identity.path, as_version=4)
-        names = sorted({n for ex in exercises_of(given) for n in ex.names})
-        stem = identity.path.stem
-        boiler = folder / "given" / stem / f"{stem}.py"
-        if not boiler.exists():
+        if sub.lab not in names:
+            given = nbformat.read(labs / f"{sub.lab}.ipynb", as_version=4)
+            names[sub.lab] = sorted({n for ex in exercises_of(given) for n in ex.names})
+            boiler = folder / "given" / sub.lab / f"{sub.lab}.py"
             boiler.parent.mkdir(parents=True, exist_ok=True)
-            boiler.write_text(exercise_code(given, names), encoding="utf-8")
-        out = folder / stem / f"{_safe(sub.student)}.py"
+            boiler.write_text(exercise_code(given, names[sub.lab]), encoding="utf-8")
+        out = folder / sub.lab / f"{_safe(sub.student)}.py"
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(exercise_code(nb, names), encoding="utf-8")
-        written.setdefault(stem, []).append(out)
+        out.write_text(exercise_code(nb, names[sub.lab]), encoding="utf-8")
+        written.setdefault(sub.lab, []).append(out)
     return written
 
 

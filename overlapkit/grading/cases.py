@@ -27,11 +27,24 @@ from .report import Report
 NOT_REACHED = "not reached: the check stops at its first failure (above)"
 
 
+def not_reached(what: str) -> str:
+    """The ✘ text of the case ``what`` (its name), after a check's first failure."""
+    return f"{what}: {NOT_REACHED}"
+
+
 def count_not_reached(report: Report, whats) -> None:
     """A ✘ line for each case of ``whats`` (their names) after a check's first failure: a
     check that stops there scores out of every case, not only of those it ran."""
     for what in whats:
-        report.fail(f"{what}: {NOT_REACHED}")
+        report.fail(not_reached(what))
+
+
+def stop_at(report: Report, text: str, later) -> Report:
+    """``report`` of a check that stops at a failed case: its ✘ ``text``, then each case of
+    ``later`` (their names) as not reached."""
+    report.fail(text)
+    count_not_reached(report, later)
+    return report
 
 
 def private_seeds(world: int, bits: int = 62) -> list[int]:

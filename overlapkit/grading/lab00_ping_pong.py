@@ -10,7 +10,7 @@ from ..costmodel import fit_alpha_beta as reference_fit
 from ..pingpong import ping_pong as reference_ping_pong
 from ..sandbox import answers
 from ..sandbox.sealed import seal
-from .cases import Case, count_not_reached, run_cases
+from .cases import Case, count_not_reached, run_cases, stop_at
 from .common import human_bytes, human_seconds, plain_number, run_or_report
 from .exercises import answers_of
 from .report import Report
@@ -324,32 +324,25 @@ def check_fit_alpha_beta(fit_alpha_beta) -> Report:
     sizes, exact, noisy = _fit_inputs()
     cases = [("measurements on the line", exact, 0.01), ("noisy measurements (±15%)", noisy, 0.35)]
     for k, (label, times, tol) in enumerate(cases):
+        later = [name for name, _, _ in cases[k + 1 :]]  # not reached if this case fails
         try:
             with answers.running(answers_of("check_fit_alpha_beta")) as ran:
                 got = fit_alpha_beta(list(sizes), list(times))
         except NotImplementedError:
-            report.fail(
-                f"{label}: not implemented yet (the function still raises NotImplementedError)"
-            )
-            count_not_reached(report, [later for later, _, _ in cases[k + 1 :]])
-            return report
+            return stop_at(report, f"{label}: not implemented yet (the function still raises "
+                           "NotImplementedError)", later)  # fmt: skip
         except Exception as exc:
-            report.fail(f"{label}: raised {type(exc).__name__}: {exc}")
-            count_not_reached(report, [later for later, _, _ in cases[k + 1 :]])
-            return report
+            return stop_at(report, f"{label}: raised {type(exc).__name__}: {exc}", later)
         if ran:
-            report.fail(f"{label}: your function {answers.said(ran)}")
-            count_not_reached(report, [later for later, _, _ in cases[k + 1 :]])
-            return report
+            return stop_at(report, f"{label}: your function {answers.said(ran)}", later)
         # what the times come to, worked out only now (the link's α and β are nowhere in
         # this process while the learner's function runs): on the line, the link itself
         want_a, want_b = reference_fit(sizes, times)
         try:
             got_a, got_b = (float(x) for x in got)
         except (TypeError, ValueError):
-            report.fail(f"{label}: returned {got!r}; expected a pair (alpha, beta) of floats")
-            count_not_reached(report, [later for later, _, _ in cases[k + 1 :]])
-            return report
+            return stop_at(report, f"{label}: returned {got!r}; expected a pair (alpha, beta) "
+                           "of floats", later)  # fmt: skip
         a_ok = math.isclose(got_a, want_a, rel_tol=tol)
         b_ok = math.isclose(got_b, want_b, rel_tol=tol)
         if a_ok and b_ok:

@@ -21,7 +21,7 @@ import torch
 
 from ..costmodel import bytes_moved_per_rank
 from ..sandbox.sealed import seal
-from .cases import NOT_REACHED
+from .cases import not_reached
 from .common import Unfinished, call_or_report, plain_number
 from .exercises import answers_of
 from .report import Report
@@ -282,7 +282,7 @@ def check_bytes_moved(bytes_moved) -> Report:
                                        forbid=answers_of("check_bytes_moved"))  # fmt: skip
         except Unfinished:  # the cases after it are not reached: each counts as failed
             lines.append((False, quiet.cases[-1][1], []))
-            lines += [(False, f"{later}: {NOT_REACHED}", []) for later in labels[k + 1 :]]
+            lines += [(False, not_reached(later), []) for later in labels[k + 1 :]]
             break
         if not fine:
             lines.append((False, quiet.cases[-1][1], []))

@@ -7,7 +7,7 @@ import io
 
 from ..costmodel import ddp_buckets
 from ..sandbox.sealed import seal
-from .cases import NOT_REACHED
+from .cases import not_reached
 from .common import Unfinished, call_or_report
 from .exercises import answers_of
 from .lab06_ddp import (
@@ -59,7 +59,7 @@ def check_assign_buckets(assign_buckets) -> Report:
                                       forbid=answers_of("check_assign_buckets"))  # fmt: skip
         except Unfinished:  # the cases after it are not reached: each counts as failed
             lines.append(quiet.cases[-1])
-            lines += [(False, f"{case[0]}: {NOT_REACHED}") for case in BUCKET_CASES[k + 1 :]]
+            lines += [(False, not_reached(case[0])) for case in BUCKET_CASES[k + 1 :]]
             break
         if not ran:
             lines.append(quiet.cases[-1])

@@ -14,7 +14,7 @@ from ..pipeline import make_schedule
 from ..plans import PIPELINE, PlanSyntaxError
 from ..sandbox import answers
 from ..sandbox.sealed import seal
-from .cases import NOT_REACHED, count_not_reached
+from .cases import count_not_reached, not_reached
 from .common import Unfinished, call_or_report, run_or_report
 from .exercises import answers_of
 from .lab03_collectives import CHECK_LINK
@@ -64,7 +64,7 @@ def _plans(quiet: Report, one_f_one_b) -> list:
         except Unfinished:
             plans.append(list(quiet.cases[-1]))
             rest = SCHEDULE_CASES[len(plans) :]  # not reached: each counts as failed
-            plans += [[False, f"{_what(p, m)}: {NOT_REACHED}"] for p, m in rest]
+            plans += [[False, not_reached(_what(p, m))] for p, m in rest]
             break
         plans.append((p, m, what, plan) if ran else list(quiet.cases[-1]))
     return plans

@@ -551,7 +551,7 @@ def _judge(report: Report, table: dict, tuned: dict, target: float, measured: _M
         + (f"; your own pair showed {own_hidden:.2f}{SPELL}" if own_hidden < target else ""),
         f"after: only {hidden:.2f} of the communication hidden (median of {n} "
         f"re-measurements, ± {hidden_doubt:.2f}), {target - hidden:.2f} short of the target "
-        f"{target:g}{GOAL_MISSED}. " + _hidden_hint(tuned),
+        f"{target:g}: {GOAL_MISSED}. " + _hidden_hint(tuned),
     )
     report.check(
         no_slower,
@@ -563,9 +563,9 @@ def _judge(report: Report, table: dict, tuned: dict, target: float, measured: _M
         f"pairs, ± {ratio_doubt:.2f}), above the {SLOWER:g}× this machine's noise allows"
         + (
             ". Hiding communication must not cost more than it hides: too many small "
-            "AllReduces each pay the link's latency and the host's cost. The goal is missed, "
-            "so this exercise earns nothing (the ✔ lines above only confirm that the table "
-            "is what measure() returned)"
+            "AllReduces each pay the link's latency and the host's cost. "
+            + GOAL_MISSED[:1].upper()
+            + GOAL_MISSED[1:]
             if hides
             else ""
         )
@@ -575,10 +575,10 @@ def _judge(report: Report, table: dict, tuned: dict, target: float, measured: _M
         report.void = f"the goal (hide at least {target:g}, no slower) was missed"
 
 
-#: on the first ✘ line of a missed goal (the hidden share's): the table's ✔ lines count
-#: only with the goal
+#: said on the ✘ line of a missed goal (the hidden fraction's, or the slower step's when
+#: enough was hidden): the table's ✔ lines count only with the goal
 GOAL_MISSED = (
-    ": the goal is missed, so this exercise earns nothing (the ✔ lines above only confirm "
+    "the goal is missed, so this exercise earns nothing (the ✔ lines above only confirm "
     "that the table is what measure() returned)"
 )
 

@@ -40,7 +40,7 @@ from ..launcher import launch
 from ..plans import FSDP, Finish, PlanSyntaxError, Problem, UnitAction
 from ..sandbox import answers
 from ..sandbox.sealed import seal
-from .cases import NOT_REACHED
+from .cases import not_reached
 from .common import Unfinished, call_or_report, judge_against_one_process
 from .exercises import answers_of
 from .report import Report
@@ -78,7 +78,7 @@ def check_fsdp_plan(fsdp_plan) -> Report:
         report.fail(f"your function {answers.said(ran)}")
         return report
     # after the watch: code of this module run while it watched would count as the answer's
-    plans += [(w, None, None, f"{w}: {NOT_REACHED}") for w in whats[len(plans) :]]
+    plans += [(w, None, None, not_reached(w)) for w in whats[len(plans) :]]
     runnable = None
     for what, n, p, plan in plans:
         if n is None:
