@@ -314,8 +314,8 @@ def _same_flushes(mesh: Mesh, flushes: int) -> None:
     one of them raises :class:`PlanError` at once, naming the stages that do not (a
     stage's flush would otherwise wait for a stage that never comes). Every step, not once
     per plan: a stage that skipped it for a plan it had already agreed on, while another
-    stage's plan changed, would leave that stage waiting in the all-gather (lab 14's timed
-    cell alternates the kit's plan and the learner's, which may agree on some stages only)."""
+    stage's plan changed, would leave that stage waiting in the all-gather (a caller that
+    alternates two plans which agree on some stages only does exactly that)."""
     if mesh.pp == 1:
         return
     mine = torch.tensor([flushes], dtype=torch.int64, device=runtime.device())
