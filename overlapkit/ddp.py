@@ -56,7 +56,7 @@ import torch.distributed as dist
 # ``ok.ddp``: ``ok.ddp.ring_all_reduce`` too, the kit's ring under another module's name
 from . import runtime
 from .collectives import buckets_by_size, ring_all_reduce  # noqa: F401
-from .compression import Compressor
+from .compression import Compressor, Half
 from .ddp_measure import (  # noqa: F401
     BackwardProfile,
     measure_host_cost,
@@ -507,12 +507,20 @@ class BucketedDDP(_DataParallel):
 WRAPPERS = {"naive": NaiveDDP, "overlap": OverlapDDP, "bucketed": BucketedDDP}
 
 
+#: 16-bit gradients by the name a configuration gives (``compress=``): what PyTorch's
+#: ``fp16_compress_hook`` and ``bf16_compress_hook`` send
+COMPRESS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
 def measure_step(wrapper: str = "bucketed", bucket_mb: float | None = 25, all_reduce="ring",
                  layers: int = 8, width: int = 512, batch: int = 64, steps: int = 5,
-                 warmup: int = 2, per_step: bool = False) -> dict:  # fmt: skip
+                 warmup: int = 2, per_step: bool = False,
+                 compress: str | None = None) -> dict:  # fmt: skip
     """Time data-parallel SGD steps of a stack of ``layers`` Linear(width, width) layers
     with one of the kit's wrappers (``"naive"``, ``"overlap"``, ``"bucketed"`` with
-    ``bucket_mb``); run on every rank. Returns the medians of ``step_ms`` (forward,
+    ``bucket_mb``); run on every rank. ``compress`` (``"fp16"`` or ``"bf16"``) sends the
+    gradients in 16 bits over the kit's ring (``ok.compression.Half``) instead of
+    ``all_reduce``. Returns the medians of ``step_ms`` (forward,
     backward, finishing the synchronisation, the optimizer step; the slowest rank's),
     ``comm_ms`` (time some AllReduce was in flight) and ``hidden`` (share of that under
     backward), from the wrapper's timeline; with ``per_step``, also every step's three
@@ -522,6 +530,11 @@ def measure_step(wrapper: str = "bucketed", bucket_mb: float | None = 25, all_re
 
     if wrapper not in WRAPPERS:
         raise ValueError(f"wrapper must be one of {', '.join(WRAPPERS)}; got {wrapper!r}")
+    if compress is not None:
+        if compress not in COMPRESS:
+            raise ValueError(f"compress must be None or one of {', '.join(COMPRESS)}; "
+                             f"got {compress!r}")  # fmt: skip
+        all_reduce = Half(COMPRESS[compress])
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False)
                                   for _ in range(layers)])  # fmt: skip
