@@ -17,12 +17,12 @@ a step up to 4× the slowest median — is measured again (more rounds) before i
 A table that disagrees anywhere earns nothing: its lines that a guess gets right (a
 baseline that hides nothing) do not count. (Rows that are measure()'s own results agree
 unless the machine changed a lot since; these bands stop a made-up note, not a learner.)
-The goal (a step of at most 0.65× the baseline's) is judged on the re-measurement's
-interleaved pairs, not on the table's own pair: on a busy machine one launch of the same
-configuration may take 45 ms and the next 136 ms. On the lab's link a 2-core machine
-reaches it only with knobs combined: overlap hides at most backward's length of an
-AllReduce longer than backward, and 16-bit gradients halve the AllReduce but, in one
-bucket, start it after backward. The goal gates
+The goal (a step of at most 0.7× the baseline's, hiding at least a quarter of its
+communication) is judged on the re-measurement's interleaved pairs, not on the table's own
+pair: on a busy machine one launch of the same configuration may take 45 ms and the next
+136 ms. On the lab's link a 2-core machine reaches it only with knobs combined: overlap
+hides at most backward's length of an AllReduce longer than backward, and 16-bit gradients
+halve the AllReduce but, in one bucket, start it after backward. The goal gates
 the score: a table that agrees earns its ✔ lines only with the goal met; a configuration
 that misses it (one that tunes nothing, like ``naive``, included) scores 0 whatever else
 passed.
@@ -44,9 +44,12 @@ from .report import Report
 BASELINE = {"wrapper": "bucketed", "bucket_mb": 25}
 LINK = Link(100, 0.15)  # 8 MiB of gradients take ~60 ms: twice backward's compute here
 BATCH = 256
-#: × the baseline's step; on a 2-core machine 16-bit gradients alone take ~0.7×, overlap
-#: alone ~0.85×, both ~0.57×: only knobs combined reach it there
-TARGET_STEP = 0.65
+#: the goal: a step of at most TARGET_STEP × the baseline's, with at least TARGET_HIDDEN of
+#: its communication beneath backward. On a 2-core machine 16-bit gradients in one bucket
+#: step ~0.7× and hide nothing, smaller buckets alone ~0.85×, both ~0.57× quiet and ~0.65×
+#: beside other work (a busier machine computes longer against the same link)
+TARGET_STEP = 0.7
+TARGET_HIDDEN = 0.25
 SIDES = ("before", "after")
 NOTED = "lab10.measure"  # the kind of note measure() leaves (records)
 
@@ -210,6 +213,17 @@ def _after_backward(tuned: dict) -> str | None:
     return None
 
 
+def _hidden_hint(tuned: dict) -> str:
+    """Why a configuration hides too little of its communication."""
+    late = _after_backward(tuned)
+    if late:
+        return late
+    if tuned.get("compress") is None:
+        return ("Backward is short beside an AllReduce of 32-bit gradients over this link: "
+                "fewer bytes (compress) make the AllReduce shorter")  # fmt: skip
+    return "Compare a few bucket sizes: each starts its first AllReduce at another point"
+
+
 def _step_hint(tuned: dict, hidden: float) -> str:
     """Why a configuration (hiding ``hidden`` of its communication) steps too slowly."""
     late = _after_backward(tuned)
@@ -342,7 +356,8 @@ def _unmeasured(table: dict, tuned: dict) -> list[tuple[str, bool]]:
 
 
 def check_tuning(report_table, tuned, target_step: float = TARGET_STEP,
-                 timeout: float = 240.0, rounds: int = ROUNDS) -> Report:  # fmt: skip
+                 target_hidden: float = TARGET_HIDDEN, timeout: float = 240.0,
+                 rounds: int = ROUNDS) -> Report:  # fmt: skip
     """Check lab 10's tuning: ``tuned`` (a configuration like ``BASELINE``) and
     ``report_table`` (``{"before": {"step_ms", "hidden"}, "after": {...}}``, "before"
     being the lab's baseline). First, each row must be what :func:`measure` returned for
@@ -352,7 +367,8 @@ def check_tuning(report_table, tuned, target_step: float = TARGET_STEP,
     falls here, or the exercise earns nothing. Last, the goal, judged on the
     re-measurement (not on the table's own pair): the tuned step takes at most
     ``target_step`` × the baseline's step (the median of each interleaved pair's own
-    ratio, its doubt counted for the learner). The goal gates the
+    ratio) and hides at least ``target_hidden`` of its communication, each median's doubt
+    counted for the learner. The goal gates the
     score: missed, the exercise scores 0 (:attr:`Report.void`), its table's ✔ lines
     notwithstanding — they only confirm what the goal is judged on. ``timeout``: seconds
     for the whole re-measurement; ``rounds``: per batch."""
@@ -385,23 +401,24 @@ def check_tuning(report_table, tuned, target_step: float = TARGET_STEP,
     measured = Measured()
     try:  # as the lab's measure() runs: no traffic recording, no race guard's copies
         results = launch(remeasure, [BASELINE, tuned], rounds, table,
-                         target_step, 0.8 * timeout, BATCH, world_size=2,
+                         (target_step, target_hidden), 0.8 * timeout, BATCH, world_size=2,
                          timeout=timeout, link=LINK, quiet=True)  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - a failed launch is one ✘ line
         report_failure(report, "re-measuring before and after on 2 ranks", exc, timeout)
         return report
     measured.rounds = results[0]
-    _judge(report, table, tuned, target_step, measured)
+    _judge(report, table, tuned, (target_step, target_hidden), measured)
     return report
 
 
-def _judge(report: Report, table: dict, tuned: dict, target: float, measured: Measured):
+def _judge(report: Report, table: dict, tuned: dict, targets: tuple, measured: Measured):
+    target, target_hidden = targets
     wrong = [
         line
         for i, side in enumerate(SIDES)
         for line in _disagreements(side, table[side], measured.steps(i), measured.hidden(i))
     ]
-    (hidden, _), (ratio, ratio_doubt) = measured.hidden_after(), measured.ratio()
+    (hidden, hidden_doubt), (ratio, ratio_doubt) = measured.hidden_after(), measured.ratio()
     if wrong:
         for line in wrong:
             report.fail(line)
@@ -420,19 +437,31 @@ def _judge(report: Report, table: dict, tuned: dict, target: float, measured: Me
     # the goal is judged on the re-measurement (interleaved pairs), not on the table's own
     # pair: one launch on a busy machine may step much slower than the next
     own = table["after"]["step_ms"] / table["before"]["step_ms"]
-    fast = ratio - ratio_doubt <= target  # a doubt counts for the learner
+    hides = hidden + hidden_doubt >= target_hidden  # a doubt counts for the learner
+    fast = ratio - ratio_doubt <= target
+    report.check(
+        hides,
+        f"after: {hidden:.2f} of its communication hidden (median of {n} re-measurements, "
+        f"± {hidden_doubt:.2f}; target at least {target_hidden:g})",
+        f"after: only {hidden:.2f} of its communication hidden (median of {n} "
+        f"re-measurements, ± {hidden_doubt:.2f}), below the target {target_hidden:g}: "
+        f"{GOAL_MISSED}. " + _hidden_hint(tuned),
+    )
     pairs = f"median of {n} interleaved pairs, ± {ratio_doubt:.2f}"
     report.check(
         fast,
         f"after: the step takes {ratio:.2f}× before's ({pairs}; target at most {target:g}×)"
         + (" once the ± is counted" if ratio > target else "")
-        + f", hiding {hidden:.2f} of its communication"
         + (f"; your own pair showed {own:.2f}×{SPELL}" if own > target else ""),
-        f"after: the step takes {ratio:.2f}× before's ({pairs}), above the target "
-        f"{target:g}×: {GOAL_MISSED}. " + _step_hint(tuned, hidden) + _busy(),
+        f"after: the step takes {ratio:.2f}× before's ({pairs}), above the target {target:g}×"
+        + (f": {GOAL_MISSED}" if hides else "")
+        + ". "
+        + _step_hint(tuned, hidden)
+        + _busy(),
     )
-    if not fast:  # the table's ✔ lines only confirm what the goal is judged on
-        report.void = f"the goal (a step of at most {target:g}× the baseline's) was missed"
+    if not (hides and fast):  # the table's ✔ lines only confirm what the goal is judged on
+        report.void = (f"the goal (a step of at most {target:g}× the baseline's, hiding at "
+                       f"least {target_hidden:g} of its communication) was missed")  # fmt: skip
 
 
 #: said on the ✘ line of a missed goal: the table's ✔ lines count only with the goal

@@ -24,7 +24,7 @@ NEAR_BUSIER = 4.0  # × it: measure more before calling a step this slow not mea
 HIDDEN_FLOOR = 0.1  # a hidden share's tolerance above the medians' range (absolute)
 
 
-def remeasure(configs, rounds, table, target, budget, batch):
+def remeasure(configs, rounds, table, targets, budget, batch):
     """On each rank: warm up, then batches of ``rounds`` rounds of every configuration, the
     order reversed every other round (ABBA) so a drift of the machine hits both alike; one
     more batch while a verdict lies near its line (rank 0 decides), as ``budget`` allows."""
@@ -43,14 +43,14 @@ def remeasure(configs, rounds, table, target, budget, batch):
             configs,
             rounds,
             table,
-            target,
+            targets,
             budget - (time.monotonic() - start),
         )
     finally:
         gc.unfreeze()
 
 
-def _rounds(measure, configs, rounds, table, target, budget) -> list:
+def _rounds(measure, configs, rounds, table, targets, budget) -> list:
     """remeasure's batches of rounds, after its warm-up; ``measure(config)``: one."""
     import torch.distributed as dist  # noqa: PLC0415
 
@@ -69,7 +69,7 @@ def _rounds(measure, configs, rounds, table, target, budget) -> list:
             measured.rounds.append(row)
         now = time.monotonic()
         more = [batch < MORE and budget - (now - start) > 1.5 * (now - began)
-                and measured.undecided(table, target)]  # fmt: skip
+                and measured.undecided(table, targets)]  # fmt: skip
         if dist.is_initialized():
             dist.broadcast_object_list(more, src=0)  # rank 0's hidden shares decide for all
         if not more[0]:
@@ -143,15 +143,21 @@ class Measured:
         """after/before step time, each round's own pair: median, and its doubt."""
         return _median_and_doubt([row[1]["step_ms"] / row[0]["step_ms"] for row in self.rounds])
 
-    def undecided(self, table: dict, target: float) -> bool:
+    def undecided(self, table: dict, targets: tuple) -> bool:
         """Whether a verdict lies near its line: a reported number near its band, or the
-        step ratio within its doubt of the goal's ``target``."""
+        step ratio or the hidden share within its doubt of the goal's (``targets``: the
+        step ratio's, the hidden share's)."""
+        target, target_hidden = targets
         bands = [(self.steps(i), self.hidden(i)) for i in (0, 1)]
         rows = (table["before"], table["after"])
-        return any(
-            b.near(row["step_ms"]) or h.near(row["hidden"])
-            for (b, h), row in zip(bands, rows, strict=True)
-        ) or _open(*self.ratio(), target)
+        return (
+            any(
+                b.near(row["step_ms"]) or h.near(row["hidden"])
+                for (b, h), row in zip(bands, rows, strict=True)
+            )
+            or _open(*self.ratio(), target)
+            or _open(*self.hidden_after(), target_hidden)
+        )
 
 
 def _median_and_doubt(values: list[float]) -> tuple[float, float]:
