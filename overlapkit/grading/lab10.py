@@ -17,7 +17,7 @@ a step up to 4× the slowest median — is measured again (more rounds) before i
 A table that disagrees anywhere earns nothing: its lines that a guess gets right (a
 baseline that hides nothing) do not count. (Rows that are measure()'s own results agree
 unless the machine changed a lot since; these bands stop a made-up note, not a learner.)
-The goal (a step of at most 0.7× the baseline's, hiding at least a quarter of its
+The goal (a step of at most 0.75× the baseline's, hiding at least a quarter of its
 communication) is judged on the re-measurement's interleaved pairs, not on the table's own
 pair: on a busy machine one launch of the same configuration may take 45 ms and the next
 136 ms. On the lab's link a 2-core machine reaches it only with knobs combined: overlap
@@ -46,9 +46,10 @@ LINK = Link(100, 0.15)  # 8 MiB of gradients take ~60 ms: twice backward's compu
 BATCH = 256
 #: the goal: a step of at most TARGET_STEP × the baseline's, with at least TARGET_HIDDEN of
 #: its communication beneath backward. On a 2-core machine 16-bit gradients in one bucket
-#: step ~0.7× and hide nothing, smaller buckets alone ~0.85×, both ~0.57× quiet and ~0.65×
-#: beside other work (a busier machine computes longer against the same link)
-TARGET_STEP = 0.7
+#: step ~0.7× and hide nothing, smaller buckets alone ~0.84× (quiet or not), both ~0.57×
+#: quiet and up to ~0.71× beside other work (a busy machine computes and copies longer
+#: against the same link, which overlap cannot fully make up)
+TARGET_STEP = 0.75
 TARGET_HIDDEN = 0.25
 SIDES = ("before", "after")
 NOTED = "lab10.measure"  # the kind of note measure() leaves (records)
