@@ -51,6 +51,7 @@ BATCH = 256
 #: against the same link, which overlap cannot fully make up)
 TARGET_STEP = 0.75
 TARGET_HIDDEN = 0.25
+WEIGHTS, WEIGHT_BYTES = 8, 512 * 512 * 4  # measure_step's model: 8 × Linear(512, 512)
 SIDES = ("before", "after")
 NOTED = "lab10.measure"  # the kind of note measure() leaves (records)
 
@@ -204,21 +205,33 @@ SPELL = (" (one launch on a busy machine varies that much: the goal is judged on
          "re-measurement)")  # fmt: skip
 
 
-def _after_backward(tuned: dict) -> str | None:
-    """Why nothing of this configuration's AllReduce can start during backward, or None."""
+def _after_backward(tuned: dict) -> tuple[str, str] | None:
+    """Why nothing of this configuration's AllReduce can start during backward, and what
+    would start it; or None."""
     if tuned["wrapper"] == "naive":
-        return "NaiveDDP communicates after backward: nothing can hide"
+        return ("NaiveDDP communicates after backward",
+                "an overlapping wrapper starts it during backward")  # fmt: skip
     if tuned["wrapper"] == "bucketed" and (tuned.get("bucket_mb") or float("inf")) >= 8:
-        return ("A bucket as large as the model fills only at the end of backward: smaller "
-                "buckets start during it")  # fmt: skip
+        return ("A bucket as large as the model fills only at the end of backward",
+                "smaller buckets start during it")  # fmt: skip
     return None
+
+
+def _all_reduces(tuned: dict) -> int:
+    """How many AllReduces a step of this configuration makes (measure_step's model:
+    ``WEIGHTS`` weights of ``WEIGHT_BYTES``; a weight larger than a bucket gets its own)."""
+    from ..costmodel import ddp_buckets  # noqa: PLC0415
+
+    if tuned["wrapper"] != "bucketed":
+        return 1 if tuned["wrapper"] == "naive" else WEIGHTS
+    return len(ddp_buckets([WEIGHT_BYTES] * WEIGHTS, tuned.get("bucket_mb", 25)))
 
 
 def _hidden_hint(tuned: dict) -> str:
     """Why a configuration hides too little of its communication."""
     late = _after_backward(tuned)
     if late:
-        return late
+        return f"{late[0]}: {late[1]}"
     if tuned.get("compress") is None:
         return ("Backward is short beside an AllReduce of 32-bit gradients over this link: "
                 "fewer bytes (compress) make the AllReduce shorter")  # fmt: skip
@@ -229,15 +242,21 @@ def _step_hint(tuned: dict, hidden: float) -> str:
     """Why a configuration (hiding ``hidden`` of its communication) steps too slowly."""
     late = _after_backward(tuned)
     if late:
-        return (f"{late}, so the step is backward plus the whole AllReduce"
-                + ("; and 32-bit gradients take twice as long on the link as 16-bit ones"
-                   if tuned.get("compress") is None else ""))  # fmt: skip
+        bits = ", in 32 bits: twice the bytes of 16-bit gradients"
+        return (f"{late[0]}, so the step is backward plus the whole AllReduce"
+                + (bits if tuned.get("compress") is None else "")
+                + f". {late[1][:1].upper()}{late[1][1:]}")  # fmt: skip
     if tuned.get("compress") is None:
         return (f"It hides {hidden:.2f} of its communication: what backward cannot cover "
-                "still adds to the step, and 32-bit gradients make the most of it. Fewer "
-                "bytes (compress) make the AllReduce shorter")  # fmt: skip
-    return (f"It hides {hidden:.2f} of its communication. Too many small AllReduces each pay "
-            "the link's latency and the host's cost: compare a few bucket sizes")  # fmt: skip
+                "still adds to the step, and with 32-bit gradients that is most of the "
+                "AllReduce. Fewer bytes (compress) make it shorter")  # fmt: skip
+    n = _all_reduces(tuned)
+    per_weight = (f" (one per weight: a weight of {WEIGHT_BYTES / 2**20:g} MiB is never "
+                  "split, so buckets of that size or less all give the same)"
+                  if n == WEIGHTS else "")  # fmt: skip
+    return (f"It hides {hidden:.2f} of its communication, in {n} AllReduces{per_weight}. What "
+            "remains is each AllReduce's own cost on the host, and the machine's load: "
+            "compare two or three bucket sizes, each measured right after BASELINE")  # fmt: skip
 
 
 NOT_NOTED = (
@@ -455,6 +474,7 @@ def _judge(report: Report, table: dict, tuned: dict, targets: tuple, measured: M
         + (" once the ± is counted" if ratio > target else "")
         + (f"; your own pair showed {own:.2f}×{SPELL}" if own > target else ""),
         f"after: the step takes {ratio:.2f}× before's ({pairs}), above the target {target:g}×"
+        + (f"; your own pair showed {own:.2f}×{SPELL}" if own <= target else "")
         + (f": {GOAL_MISSED}" if hides else "")
         + ". "
         + _step_hint(tuned, hidden)
