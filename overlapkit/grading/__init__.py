@@ -17,6 +17,7 @@ from .lab07_buckets import check_assign_buckets, check_bucketed_ddp
 from .lab08_pipeline import check_1f1b_schedule, check_gpipe_step
 from .lab09_local_sgd import check_average_parameters
 from .lab10 import check_tuning
+from .lab10_predict import check_predict_step
 from .lab11_ag_matmul import check_ag_matmul
 from .lab11_moe import check_chunked_moe
 from .lab12 import check_fsdp_plan
@@ -47,6 +48,7 @@ __all__ = [
     "check_1f1b_schedule",
     "check_gpipe_step",
     "check_average_parameters",
+    "check_predict_step",
     "check_tuning",
     "check_ag_matmul",
     "check_chunked_moe",

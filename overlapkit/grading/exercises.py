@@ -59,6 +59,10 @@ EXERCISES: tuple[Exercise, ...] = (
     Exercise("check_gpipe_step", 8, 5, ("pipeline",)),
     Exercise("check_average_parameters", 9, 3,
              ("training._average_parameters", "training._averaged", "training.train")),
+    # the kit's step model (a schedule of buckets on one link) and the check's own
+    Exercise("check_predict_step", 10, 2,
+             ("costmodel.ddp_step", "costmodel.data_parallel._schedule",
+              "grading.lab10_predict"), light=True),
     Exercise("check_tuning", 10, 4, witnessed="overlapkit.grading.lab10"),
     Exercise("check_ag_matmul", 11, 4, ("tensor_parallel",)),
     Exercise("check_chunked_moe", 11, 5, ("moe.MoELayer", "moe.reference_moe")),

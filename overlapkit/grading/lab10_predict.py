@@ -1,0 +1,140 @@
+"""Check for lab 10's prediction: ``predict_step(profile, config)``, the step time (ms) that
+a profile of the baseline predicts for a configuration, before anything is measured.
+
+The profile holds one step's ``forward_ms``, ``backward_ms`` and ``allreduce_ms`` (all the
+gradients in one 32-bit AllReduce). Its model: ``WEIGHTS`` equal weights whose gradients
+become ready one by one through backward; a bucket's AllReduce starts when its last
+gradient is ready *and* the link is free (one AllReduce at a time); each takes its share
+of the bytes, half of them with 16-bit gradients; the step ends when backward and the last
+AllReduce has (the last bucket is ready only when backward ends)::
+
+    compute   | forward | backward ·········································· |
+    ready       g7 g6 | g5 g4 | g3 g2 | g1 g0        (2 MiB buckets: 4 of 2 weights)
+    link                  [b0 ····][b1 ····][b2 ····][b3 ····]
+    step = forward + the end of the last bucket's AllReduce
+
+NaiveDDP starts one AllReduce after backward; OverlapDDP has one bucket per weight; a
+weight is never split, so a bucket smaller than one still holds one.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+from ..costmodel import ddp_buckets
+from ..sandbox.sealed import seal
+from .cases import not_reached
+from .common import Unfinished, call_or_report, plain_number
+from .exercises import answers_of
+from .report import Report
+
+WEIGHTS, WEIGHT_MB = 8, 1  # the lab's model: 8 × Linear(512, 512), 1 MiB of fp32 each
+
+#: (what, profile as (forward, backward, allreduce) ms, configuration)
+CASES = [
+    ("the baseline", (12.0, 22.0, 58.0), {"wrapper": "bucketed", "bucket_mb": 25}),
+    ("2 MiB buckets", (12.0, 22.0, 58.0), {"wrapper": "bucketed", "bucket_mb": 2}),
+    ("16-bit gradients in one bucket", (12.0, 22.0, 58.0),
+     {"wrapper": "bucketed", "bucket_mb": None, "compress": "fp16"}),
+    ("4 MiB buckets of 16-bit gradients", (16.0, 52.0, 103.0),
+     {"wrapper": "bucketed", "bucket_mb": 4, "compress": "bf16"}),
+    ("NaiveDDP", (12.0, 22.0, 58.0), {"wrapper": "naive"}),
+    ("OverlapDDP, 16-bit", (4.0, 8.0, 58.0), {"wrapper": "overlap", "compress": "fp16"}),
+    ("0.25 MiB buckets of 16-bit gradients", (12.0, 22.0, 58.0),
+     {"wrapper": "bucketed", "bucket_mb": 0.25, "compress": "fp16"}),
+    ("a short AllReduce: 2 MiB buckets", (10.0, 40.0, 16.0),
+     {"wrapper": "bucketed", "bucket_mb": 2}),
+]  # fmt: skip
+
+
+def _buckets(config: dict, split: bool = False) -> list[tuple[float, float]]:
+    """Each AllReduce as (when its last gradient is ready, as a share of backward; its
+    share of the bytes), in order. ``split``: a mistake's model, where a bucket smaller
+    than a weight cuts the weight into pieces of the bucket's size."""
+    wrapper = config.get("wrapper", "bucketed")
+    if wrapper == "naive":
+        return [(1.0, 1.0)]
+    mb = 0 if wrapper == "overlap" else config.get("bucket_mb", 25)
+    if split and mb is not None and 0 < mb < WEIGHT_MB:
+        n = round(WEIGHTS * WEIGHT_MB / mb)
+        return [((j + 1) / n, 1 / n) for j in range(n)]
+    groups = ddp_buckets([WEIGHT_MB * 2**20] * WEIGHTS, mb)
+    return [((max(g) + 1) / WEIGHTS, len(g) / WEIGHTS) for g in groups]
+
+
+def predicted(
+    profile, config, *, halve=True, wait_ready=True, one_at_a_time=True, split=False
+) -> float:
+    """The model's step (ms); each keyword switched off is one mistake of the lab's."""
+    forward, backward, allreduce = profile
+    comm = allreduce / 2 if halve and config.get("compress") else allreduce
+    naive = config.get("wrapper") == "naive"
+    link, end = 0.0, 0.0
+    for ready, share in _buckets(config, split):
+        start = max(backward * ready if wait_ready or naive else 0.0,
+                    link if one_at_a_time else 0.0)  # fmt: skip
+        link = start + comm * share
+        end = max(end, link)
+    # the last bucket is ready only when backward ends: the step ends with its AllReduce
+    return forward + end
+
+
+#: each mistake: the model's keywords that make it, and what to tell the learner
+MISTAKES = [
+    ({"halve": False}, "16-bit gradients send half the bytes: the AllReduce takes half as long"),
+    ({"wait_ready": False}, "a bucket's AllReduce cannot start before its last gradient is "
+     "ready: the k-th of the 8 weights' gradients is ready after k/8 of backward"),
+    ({"one_at_a_time": False}, "the link carries one AllReduce at a time: a bucket starts when "
+     "it is ready and the bucket before it has finished"),
+    ({"split": True}, "a weight is never split: a bucket smaller than a weight still holds "
+     "one whole weight (1 MiB), so its AllReduce waits for that weight"),
+    ({"halve": False, "one_at_a_time": False}, "two things: 16-bit gradients halve the "
+     "AllReduce, and the link carries one AllReduce at a time"),
+]  # fmt: skip
+
+
+def _hint(got: float, profile, config) -> str:
+    want = predicted(profile, config)
+    if math.isclose(got * 1000, want, rel_tol=1e-3):
+        return " That is the step in seconds: return milliseconds, as the profile gives them."
+    for switches, text in MISTAKES:
+        other = predicted(profile, config, **switches)
+        if not math.isclose(other, want, rel_tol=1e-6) and math.isclose(got, other, rel_tol=1e-3):
+            return f" That is the model without one of its rules: {text}."
+    if got < profile[0] + profile[1] - 1e-6:
+        return " No step is shorter than forward plus backward."
+    return ""
+
+
+def check_predict_step(predict_step) -> Report:
+    """Check ``predict_step(profile, config) -> float`` (lab 10): ``profile`` a dict of
+    ``forward_ms``, ``backward_ms``, ``allreduce_ms``; ``config`` as ``BASELINE``; the
+    step in ms that the model of the module docstring gives."""
+    report = Report("predict_step")
+    predict_step = seal(predict_step)  # called on a rank of its own, out of our reach
+    for k, (what, profile, config) in enumerate(CASES):
+        given = dict(zip(("forward_ms", "backward_ms", "allreduce_ms"), profile, strict=True))
+        quiet = Report(report.exercise, file=io.StringIO())
+        label = f"{what} {config}, profile {given}"
+        try:
+            ran, got = call_or_report(quiet, label, predict_step, dict(given), dict(config),
+                                      forbid=answers_of("check_predict_step"))  # fmt: skip
+        except Unfinished:
+            report.fail(quiet.cases[-1][1])
+            for later, *_ in CASES[k + 1 :]:
+                report.fail(not_reached(later))
+            return report
+        if not ran:
+            report.fail(quiet.cases[-1][1])
+            continue
+        want = predicted(profile, config)
+        if not plain_number(got) or not math.isfinite(got):
+            report.fail(f"{label}: returned {type(got).__name__} {got!r}; return the step "
+                        f"in ms as a number ({want:.1f} here)")  # fmt: skip
+        elif math.isclose(got, want, rel_tol=1e-3, abs_tol=1e-3):
+            report.ok(f"{what}: {got:.1f} ms")
+        else:
+            report.fail(f"{label}: got {got:.4g} ms; the model gives {want:.1f} ms."
+                        + _hint(got, profile, config))  # fmt: skip
+    return report
