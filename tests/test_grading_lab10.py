@@ -361,6 +361,14 @@ def fake_measurements(monkeypatch, before, after):
     return calls
 
 
+def judged_after(monkeypatch, steps, hidden, reported, tuned):
+    """The check's text for a quiet baseline and made-up re-measurements of ``tuned``
+    (``steps`` in ms, ``hidden`` shares), the table's after row ``reported`` (step, hidden)."""
+    fake_measurements(monkeypatch, QUIET_BEFORE, [(steps, hidden)])
+    table = {**QUIET_TABLE, "after": {"step_ms": reported[0], "hidden": reported[1]}}
+    return _text(ok.grading.check_tuning(table, tuned))
+
+
 def test_a_table_within_the_measured_spread_passes_after_one_batch(monkeypatch):
     calls = fake_measurements(monkeypatch, QUIET_BEFORE, QUIET_AFTER)
     result = ok.grading.check_tuning(QUIET_TABLE, TUNED)
@@ -461,34 +469,9 @@ def test_a_slow_step_scores_nothing_though_it_hides_enough(monkeypatch):
     ) in _text(result)
 
 
-def test_buckets_smaller_than_a_weight_are_said_to_give_one_allreduce_per_weight(monkeypatch):
-    fake_measurements(monkeypatch, QUIET_BEFORE, [([70, 72, 75, 71, 73], QUIET_AFTER[0][1])])
-    table = {**QUIET_TABLE, "after": {"step_ms": 72.0, "hidden": 0.84}}
-    tiny = {"wrapper": "bucketed", "bucket_mb": 0.01, "compress": "fp16"}
-    text = _text(ok.grading.check_tuning(table, tiny))
-    assert (
-        "in 8 AllReduces (one per weight: a weight of 1 MiB is never split, so buckets of that "
-        "size or less all give the same)"
-    ) in text
-
-
-def test_overlap_alone_is_told_that_the_allreduce_outlasts_backward(monkeypatch):
-    # 1 MiB buckets of 32-bit gradients: hides enough in this made-up run, steps 0.84×
-    fake_measurements(monkeypatch, QUIET_BEFORE, [([47, 48, 49, 50, 48], QUIET_AFTER[0][1])])
-    table = {**QUIET_TABLE, "after": {"step_ms": 48.0, "hidden": 0.84}}
-    text = _text(ok.grading.check_tuning(table, ONE_MIB))
-    assert (
-        "returned). It hides 0.85 of its communication: what backward cannot cover still adds "
-        "to the step, and with 32-bit gradients that is most of the AllReduce. Fewer bytes "
-        "(compress) make it shorter"
-    ) in text
-
-
 def test_sixteen_bit_gradients_alone_are_told_why_nothing_hides(monkeypatch):
-    fake_measurements(monkeypatch, QUIET_BEFORE, [([45, 46, 47, 45, 46], [0.0] * 5)])
-    table = {**QUIET_TABLE, "after": {"step_ms": 46.0, "hidden": 0.0}}
     tuned = {"wrapper": "bucketed", "bucket_mb": 25, "compress": "fp16"}
-    text = _text(ok.grading.check_tuning(table, tuned))
+    text = judged_after(monkeypatch, [45, 46, 47, 45, 46], [0.0] * 5, (46.0, 0.0), tuned)
     assert (
         "after: only 0.00 of its communication hidden (median of 4 re-measurements, ± 0.00), "
         "below the target 0.25: the goal is missed"
@@ -643,26 +626,39 @@ def test_a_slower_step_on_a_busy_machine_says_the_machine_was_busy(monkeypatch, 
     assert ("This machine was busy meanwhile (load 9.0 on 2 cores)" in text) is busy, text
 
 
-def test_an_overlapped_step_that_hides_too_little_is_told_to_send_fewer_bytes(monkeypatch):
-    # a machine whose backward is short beside the 32-bit AllReduce: 1 MiB buckets hide 0.1
-    fake_measurements(monkeypatch, QUIET_BEFORE, [([50, 51, 52, 50, 51], [0.1] * 5)])
-    table = {**QUIET_TABLE, "after": {"step_ms": 51.0, "hidden": 0.1}}
-    text = _text(ok.grading.check_tuning(table, ONE_MIB))
-    assert (
+#: a missed goal, each with what its ✘ line must say: (tuned, re-measured steps and hidden
+#: shares, the table's after row, the words)
+MISSED = {
+    "buckets smaller than a weight give one AllReduce per weight": (
+        {"wrapper": "bucketed", "bucket_mb": 0.01, "compress": "fp16"},
+        [70, 72, 75, 71, 73], QUIET_AFTER[0][1], (72.0, 0.84),
+        "in 8 AllReduces (one per weight: a weight of 1 MiB is never split, so buckets of "
+        "that size or less all give the same)",
+    ),
+    "overlap alone: what backward cannot cover, with 32-bit gradients": (
+        ONE_MIB, [47, 48, 49, 50, 48], QUIET_AFTER[0][1], (48.0, 0.84),
+        "returned). It hides 0.85 of its communication: what backward cannot cover still adds "
+        "to the step, and with 32-bit gradients that is most of the AllReduce. Fewer bytes "
+        "(compress) make it shorter",
+    ),
+    "an overlapped step that hides too little is told to send fewer bytes": (
+        ONE_MIB, [50, 51, 52, 50, 51], [0.1] * 5, (51.0, 0.1),
         "after: only 0.10 of its communication hidden (median of 4 re-measurements, ± 0.00), "
         "below the target 0.25: the goal is missed, so this exercise earns nothing (the ✔ "
-        "lines above only confirm that the table is what measure() returned). Backward is short "
-        "beside an AllReduce of 32-bit gradients over this link: fewer bytes (compress) make "
-        "the AllReduce shorter"
-    ) in text
-
-
-def test_a_missed_goal_quotes_the_learners_own_pair_that_met_it(monkeypatch):
-    fake_measurements(monkeypatch, QUIET_BEFORE, [([45, 46, 47, 45, 46], QUIET_AFTER[0][1])])
-    table = {**QUIET_TABLE, "after": {"step_ms": 35.0, "hidden": 0.84}}
-    text = _text(ok.grading.check_tuning(table, TUNED))
-    assert (
+        "lines above only confirm that the table is what measure() returned). Backward is "
+        "short beside an AllReduce of 32-bit gradients over this link: fewer bytes (compress) "
+        "make the AllReduce shorter",
+    ),
+    "the learner's own pair that met the goal is quoted": (
+        TUNED, [45, 46, 47, 45, 46], QUIET_AFTER[0][1], (35.0, 0.84),
         "after: the step takes 0.81× before's (median of 4 interleaved pairs, ± 0.00), above "
         "the target 0.75×; your own pair showed 0.60× (one launch on a busy machine varies "
-        "that much: the goal is judged on the re-measurement): the goal is missed"
-    ) in text
+        "that much: the goal is judged on the re-measurement): the goal is missed",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", MISSED)
+def test_a_missed_goal_says_why(monkeypatch, case):
+    tuned, steps, hidden, reported, words = MISSED[case]
+    assert words in judged_after(monkeypatch, steps, hidden, reported, tuned)
