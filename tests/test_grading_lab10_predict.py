@@ -11,16 +11,17 @@ from overlapkit.costmodel import ddp_buckets
 WEIGHTS = 8
 
 
-def model(profile, config, halve=True, wait=True, one_link=True, split=False, scale=1.0):
-    """A learner's predict_step; each keyword False (or split True) is one mistake."""
+def model(profile, config, halve=True, wait=True, one_link=True, split=False, scale=1.0,
+          naive_overlaps=False, forward=True, last_ready=True, shares=True):  # fmt: skip
+    """A learner's predict_step; each keyword against its default is one mistake."""
     total = profile["allreduce_ms"]
     if config.get("compress") is not None and halve:
         total = total * 0.5
     per_weight_backward = profile["backward_ms"] / WEIGHTS
     kind = config.get("wrapper", "bucketed")
-    if kind == "naive":
+    if kind == "naive" and not naive_overlaps:
         sizes = [WEIGHTS]
-    elif kind == "overlap":
+    elif kind in ("overlap", "naive"):
         sizes = [1] * WEIGHTS
     elif split and config.get("bucket_mb") is not None and config["bucket_mb"] < 1:
         sizes = [config["bucket_mb"]] * round(WEIGHTS / config["bucket_mb"])
@@ -28,12 +29,15 @@ def model(profile, config, halve=True, wait=True, one_link=True, split=False, sc
         sizes = [len(b) for b in ddp_buckets([2**20] * WEIGHTS, config.get("bucket_mb", 25))]
     filled, free_at, finish = 0.0, 0.0, 0.0
     for size in sizes:
+        first = filled + min(1, size)
         filled += size
-        ready_at = per_weight_backward * filled if (wait or kind == "naive") else 0.0
+        ready_at = per_weight_backward * (filled if last_ready else first)
+        if not (wait or kind == "naive"):
+            ready_at = 0.0
         begin = ready_at if not one_link else max(ready_at, free_at)
-        free_at = begin + total * size / WEIGHTS
+        free_at = begin + total * (size / WEIGHTS if shares else 1)
         finish = max(finish, free_at)
-    return scale * (profile["forward_ms"] + finish)
+    return scale * ((profile["forward_ms"] if forward else 0) + finish)
 
 
 def _text(report):
@@ -57,6 +61,10 @@ def test_the_model_passes_every_case():
         ({"one_link": False}, "the link carries one AllReduce at a time"),
         ({"split": True}, "a weight is never split: a bucket smaller than a weight still holds"),
         ({"scale": 1e-3}, "That is the step in seconds: return milliseconds"),
+        ({"naive_overlaps": True}, "NaiveDDP starts one AllReduce of every gradient after"),
+        ({"forward": False}, "the step starts with forward: add forward_ms"),
+        ({"last_ready": False}, "a bucket is ready when its last gradient is, not its first"),
+        ({"shares": False}, "each bucket's AllReduce carries only its share of the bytes"),
     ],
 )
 def test_each_mistake_is_named(mistake, words):

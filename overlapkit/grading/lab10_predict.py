@@ -48,36 +48,39 @@ CASES = [
 ]  # fmt: skip
 
 
-def _buckets(config: dict, split: bool = False) -> list[tuple[float, float]]:
-    """Each AllReduce as (when its last gradient is ready, as a share of backward; its
-    share of the bytes), in order. ``split``: a mistake's model, where a bucket smaller
-    than a weight cuts the weight into pieces of the bucket's size."""
+def _buckets(config: dict, split=False, naive_overlaps=False, first_ready=False):
+    """Each AllReduce as (when it may start, as a share of backward; its share of the
+    bytes), in order: when its last gradient is ready. The keywords make a mistake's
+    model: ``split`` cuts a weight into pieces of a bucket smaller than it,
+    ``naive_overlaps`` gives NaiveDDP one bucket per weight, ``first_ready`` starts a
+    bucket when its first gradient is ready."""
     wrapper = config.get("wrapper", "bucketed")
-    if wrapper == "naive":
+    if wrapper == "naive" and not naive_overlaps:
         return [(1.0, 1.0)]
-    mb = 0 if wrapper == "overlap" else config.get("bucket_mb", 25)
+    mb = 0 if wrapper in ("overlap", "naive") else config.get("bucket_mb", 25)
     if split and mb is not None and 0 < mb < WEIGHT_MB:
         n = round(WEIGHTS * WEIGHT_MB / mb)
         return [((j + 1) / n, 1 / n) for j in range(n)]
     groups = ddp_buckets([WEIGHT_MB * 2**20] * WEIGHTS, mb)
-    return [((max(g) + 1) / WEIGHTS, len(g) / WEIGHTS) for g in groups]
+    at = min if first_ready else max
+    return [((at(g) + 1) / WEIGHTS, len(g) / WEIGHTS) for g in groups]
 
 
-def predicted(
-    profile, config, *, halve=True, wait_ready=True, one_at_a_time=True, split=False
-) -> float:
-    """The model's step (ms); each keyword switched off is one mistake of the lab's."""
+def predicted(profile, config, *, halve=True, wait_ready=True, one_at_a_time=True,
+              shares=True, with_forward=True, **wrong_buckets) -> float:  # fmt: skip
+    """The model's step (ms); each keyword switched (here or in :func:`_buckets`) is one
+    mistake of the lab's."""
     forward, backward, allreduce = profile
     comm = allreduce / 2 if halve and config.get("compress") else allreduce
-    naive = config.get("wrapper") == "naive"
+    naive = config.get("wrapper") == "naive" and not wrong_buckets.get("naive_overlaps")
     link, end = 0.0, 0.0
-    for ready, share in _buckets(config, split):
+    for ready, share in _buckets(config, **wrong_buckets):
         start = max(backward * ready if wait_ready or naive else 0.0,
                     link if one_at_a_time else 0.0)  # fmt: skip
-        link = start + comm * share
+        link = start + comm * (share if shares else 1.0)
         end = max(end, link)
     # the last bucket is ready only when backward ends: the step ends with its AllReduce
-    return forward + end
+    return (forward if with_forward else 0.0) + end
 
 
 #: each mistake: the model's keywords that make it, and what to tell the learner
@@ -85,10 +88,16 @@ MISTAKES = [
     ({"halve": False}, "16-bit gradients send half the bytes: the AllReduce takes half as long"),
     ({"wait_ready": False}, "a bucket's AllReduce cannot start before its last gradient is "
      "ready: the k-th of the 8 weights' gradients is ready after k/8 of backward"),
+    ({"first_ready": True}, "a bucket is ready when its last gradient is, not its first"),
     ({"one_at_a_time": False}, "the link carries one AllReduce at a time: a bucket starts when "
      "it is ready and the bucket before it has finished"),
+    ({"shares": False}, "each bucket's AllReduce carries only its share of the bytes: "
+     "allreduce_ms × the bucket's share of the 8 weights"),
     ({"split": True}, "a weight is never split: a bucket smaller than a weight still holds "
      "one whole weight (1 MiB), so its AllReduce waits for that weight"),
+    ({"naive_overlaps": True}, "NaiveDDP starts one AllReduce of every gradient after "
+     "backward: nothing of it overlaps"),
+    ({"with_forward": False}, "the step starts with forward: add forward_ms"),
     ({"halve": False, "one_at_a_time": False}, "two things: 16-bit gradients halve the "
      "AllReduce, and the link carries one AllReduce at a time"),
 ]  # fmt: skip
@@ -98,10 +107,14 @@ def _hint(got: float, profile, config) -> str:
     want = predicted(profile, config)
     if math.isclose(got * 1000, want, rel_tol=1e-3):
         return " That is the step in seconds: return milliseconds, as the profile gives them."
-    for switches, text in MISTAKES:
-        other = predicted(profile, config, **switches)
-        if not math.isclose(other, want, rel_tol=1e-6) and math.isclose(got, other, rel_tol=1e-3):
-            return f" That is the model without one of its rules: {text}."
+    wrong = [(predicted(profile, config, **switches), text) for switches, text in MISTAKES]
+    rules = [text for value, text in wrong
+             if not math.isclose(value, want, rel_tol=1e-6)
+             and math.isclose(got, value, rel_tol=1e-3)]  # fmt: skip
+    if len(rules) == 1:
+        return f" That is the model without one of its rules: {rules[0]}."
+    if rules:  # two mistakes that give the same number here: the next cases tell them apart
+        return " That is the model without one of these rules: " + "; or ".join(rules) + "."
     if got < profile[0] + profile[1] - 1e-6:
         return " No step is shorter than forward plus backward."
     return ""
@@ -109,8 +122,13 @@ def _hint(got: float, profile, config) -> str:
 
 def check_predict_step(predict_step) -> Report:
     """Check ``predict_step(profile, config) -> float`` (lab 10): ``profile`` a dict of
-    ``forward_ms``, ``backward_ms``, ``allreduce_ms``; ``config`` as ``BASELINE``; the
-    step in ms that the model of the module docstring gives."""
+    ``forward_ms``, ``backward_ms`` and ``allreduce_ms`` (one 32-bit AllReduce of every
+    gradient), ``config`` as ``BASELINE``; the step in ms by the lab's model: the 8 weights'
+    gradients ready one by one through backward; a bucket's AllReduce starting when its
+    last gradient is ready and the link is free, taking ``allreduce_ms`` × its share of
+    the bytes (half with 16-bit gradients); the step is forward until the last AllReduce
+    ends. Eight fixed cases; a wrong value is told the model's and, where it is the model
+    with one rule left out, which rule."""
     report = Report("predict_step")
     predict_step = seal(predict_step)  # called on a rank of its own, out of our reach
     for k, (what, profile, config) in enumerate(CASES):
