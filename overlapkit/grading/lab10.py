@@ -38,6 +38,7 @@ from ..p2p import Link
 from ..sandbox import records
 from .common import plain_number, report_failure
 from .lab10_measure import ROUNDS, STEPS, Band, Measured, remeasure
+from .lab10_predict import WEIGHT_MB, WEIGHTS, buckets
 from .report import Report
 
 #: the lab's setup: what "before" is, the link, the batch, the goal
@@ -51,7 +52,6 @@ BATCH = 256
 #: against the same link, which overlap cannot fully make up)
 TARGET_STEP = 0.75
 TARGET_HIDDEN = 0.25
-WEIGHTS, WEIGHT_BYTES = 8, 512 * 512 * 4  # measure_step's model: 8 × Linear(512, 512)
 SIDES = ("before", "after")
 NOTED = "lab10.measure"  # the kind of note measure() leaves (records)
 
@@ -211,20 +211,10 @@ def _after_backward(tuned: dict) -> tuple[str, str] | None:
     if tuned["wrapper"] == "naive":
         return ("NaiveDDP communicates after backward",
                 "an overlapping wrapper starts it during backward")  # fmt: skip
-    if tuned["wrapper"] == "bucketed" and (tuned.get("bucket_mb") or float("inf")) >= 8:
+    if tuned["wrapper"] == "bucketed" and len(buckets(tuned)) == 1:
         return ("A bucket as large as the model fills only at the end of backward",
                 "smaller buckets start during it")  # fmt: skip
     return None
-
-
-def _all_reduces(tuned: dict) -> int:
-    """How many AllReduces a step of this configuration makes (measure_step's model:
-    ``WEIGHTS`` weights of ``WEIGHT_BYTES``; a weight larger than a bucket gets its own)."""
-    from ..costmodel import ddp_buckets  # noqa: PLC0415
-
-    if tuned["wrapper"] != "bucketed":
-        return 1 if tuned["wrapper"] == "naive" else WEIGHTS
-    return len(ddp_buckets([WEIGHT_BYTES] * WEIGHTS, tuned.get("bucket_mb", 25)))
 
 
 def _hidden_hint(tuned: dict) -> str:
@@ -250,8 +240,8 @@ def _step_hint(tuned: dict, hidden: float) -> str:
         return (f"It hides {hidden:.2f} of its communication: what backward cannot cover "
                 "still adds to the step, and with 32-bit gradients that is most of the "
                 "AllReduce. Fewer bytes (compress) make it shorter")  # fmt: skip
-    n = _all_reduces(tuned)
-    per_weight = (f" (one per weight: a weight of {WEIGHT_BYTES / 2**20:g} MiB is never "
+    n = len(buckets(tuned))  # measure_step's model is lab 10's: 8 weights of 1 MiB
+    per_weight = (f" (one per weight: a weight of {WEIGHT_MB:g} MiB is never "
                   "split, so buckets of that size or less all give the same)"
                   if n == WEIGHTS else "")  # fmt: skip
     return (f"It hides {hidden:.2f} of its communication, in {n} AllReduces{per_weight}. What "

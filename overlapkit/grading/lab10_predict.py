@@ -19,12 +19,11 @@ weight is never split, so a bucket smaller than one still holds one.
 
 from __future__ import annotations
 
-import io
 import math
 
 from ..costmodel import ddp_buckets
 from ..sandbox.sealed import seal
-from .cases import not_reached
+from .cases import count_not_reached
 from .common import Unfinished, call_or_report, plain_number
 from .exercises import answers_of
 from .report import Report
@@ -48,12 +47,12 @@ CASES = [
 ]  # fmt: skip
 
 
-def _buckets(config: dict, split=False, naive_overlaps=False, first_ready=False):
-    """Each AllReduce as (when it may start, as a share of backward; its share of the
-    bytes), in order: when its last gradient is ready. The keywords make a mistake's
-    model: ``split`` cuts a weight into pieces of a bucket smaller than it,
-    ``naive_overlaps`` gives NaiveDDP one bucket per weight, ``first_ready`` starts a
-    bucket when its first gradient is ready."""
+def buckets(config: dict, split=False, naive_overlaps=False, first_ready=False):
+    """Each AllReduce of a step of ``config`` as (when it may start, as a share of
+    backward; its share of the bytes), in order: when its last gradient is ready. The
+    keywords make a mistake's model: ``split`` cuts a weight into pieces of a bucket
+    smaller than it, ``naive_overlaps`` gives NaiveDDP one bucket per weight,
+    ``first_ready`` starts a bucket when its first gradient is ready."""
     wrapper = config.get("wrapper", "bucketed")
     if wrapper == "naive" and not naive_overlaps:
         return [(1.0, 1.0)]
@@ -68,13 +67,13 @@ def _buckets(config: dict, split=False, naive_overlaps=False, first_ready=False)
 
 def predicted(profile, config, *, halve=True, wait_ready=True, one_at_a_time=True,
               shares=True, with_forward=True, **wrong_buckets) -> float:  # fmt: skip
-    """The model's step (ms); each keyword switched (here or in :func:`_buckets`) is one
+    """The model's step (ms); each keyword switched (here or in :func:`buckets`) is one
     mistake of the lab's."""
     forward, backward, allreduce = profile
     comm = allreduce / 2 if halve and config.get("compress") else allreduce
     naive = config.get("wrapper") == "naive" and not wrong_buckets.get("naive_overlaps")
     link, end = 0.0, 0.0
-    for ready, share in _buckets(config, **wrong_buckets):
+    for ready, share in buckets(config, **wrong_buckets):
         start = max(backward * ready if wait_ready or naive else 0.0,
                     link if one_at_a_time else 0.0)  # fmt: skip
         link = start + comm * (share if shares else 1.0)
@@ -131,20 +130,17 @@ def check_predict_step(predict_step) -> Report:
     with one rule left out, which rule."""
     report = Report("predict_step")
     predict_step = seal(predict_step)  # called on a rank of its own, out of our reach
+    forbid = answers_of("check_predict_step")
     for k, (what, profile, config) in enumerate(CASES):
         given = dict(zip(("forward_ms", "backward_ms", "allreduce_ms"), profile, strict=True))
-        quiet = Report(report.exercise, file=io.StringIO())
         label = f"{what} {config}, profile {given}"
-        try:
-            ran, got = call_or_report(quiet, label, predict_step, dict(given), dict(config),
-                                      forbid=answers_of("check_predict_step"))  # fmt: skip
-        except Unfinished:
-            report.fail(quiet.cases[-1][1])
-            for later, *_ in CASES[k + 1 :]:
-                report.fail(not_reached(later))
+        try:  # a crash is its ✘ line, and the next case runs
+            ran, got = call_or_report(report, label, predict_step, dict(given), dict(config),
+                                      forbid=forbid)  # fmt: skip
+        except Unfinished:  # its ✘ line said why; the cases after it count as failed
+            count_not_reached(report, [later for later, *_ in CASES[k + 1 :]])
             return report
         if not ran:
-            report.fail(quiet.cases[-1][1])
             continue
         want = predicted(profile, config)
         if not plain_number(got) or not math.isfinite(got):
