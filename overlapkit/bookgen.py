@@ -296,13 +296,17 @@ def stage(edition: str, executed: Path, staging: Path, book: Path = ROOT / "book
     if edition == "students":
         for page in target.rglob("*.md"):
             page.write_text(_unlinked(page.read_text(encoding="utf-8")), encoding="utf-8")
-    labs = []
     view = students_view if edition == "students" else instructors_view
+    views = {}
     for copy_path in sorted(executed.glob("*.ipynb")):
-        nb = view(nbformat.read(copy_path, as_version=4))
+        views[copy_path.stem] = view(nbformat.read(copy_path, as_version=4))
         (staging / "labs").mkdir(parents=True, exist_ok=True)
-        nbformat.write(nb, staging / "labs" / copy_path.name)
-        labs.append(copy_path.stem)
+        nbformat.write(views[copy_path.stem], staging / "labs" / copy_path.name)
+    labs = list(views)
+    named = named_figures(views, target / "notes" / "figures")
+    for page in (target / "notes").glob("*.md"):
+        text = page.read_text(encoding="utf-8")
+        page.write_text(with_alt_text(text, named, f"notes/{page.name}"), encoding="utf-8")
     pages = {
         str(p.relative_to(staging).with_suffix(""))
         for p in staging.rglob("*")
@@ -310,6 +314,56 @@ def stage(edition: str, executed: Path, staging: Path, book: Path = ROOT / "book
     }
     (staging / "index.md").write_text(index_page(edition, labs, pages), encoding="utf-8")
     return labs
+
+
+#: a figure the lecture notes show, named in its lab cell's metadata (``overlapkit.figure``):
+#: a notes page asks for it as ```{figure} figures/NAME.*``` and the build writes it there
+#: (SVG where the kernel drew one) with the lab's own alt text
+FIGURE_KEY = "figure"
+_FIGURE = re.compile(r"^```\{figure\} figures/([\w-]+)\.\*\n", re.MULTILINE)
+
+
+def named_figures(views: dict[str, nbformat.NotebookNode], folder: Path) -> dict[str, str]:
+    """Write each named figure of one edition's lab pages into ``folder``; returns name → alt
+    text. The notes take a figure from the page as that edition shows it, so a figure the
+    students' page leaves out is missing from their notes too (and the build fails)."""
+    named: dict[str, str] = {}
+    where: dict[str, str] = {}
+    for lab, nb in views.items():
+        for i, cell in enumerate(nb.cells):
+            name = cell.metadata.get("overlapkit", {}).get(FIGURE_KEY)
+            images = [
+                o["data"] for o in cell.get("outputs", []) if "image/png" in o.get("data", {})
+            ]
+            if not name or not images:
+                continue
+            if name in named:
+                raise ValueError(
+                    f"figure {name!r} is named in {where[name]} and in {lab}, cell {i}"
+                )
+            folder.mkdir(parents=True, exist_ok=True)
+            svg = images[0].get("image/svg+xml")
+            if svg:
+                (folder / f"{name}.svg").write_text(svg if isinstance(svg, str) else "".join(svg))
+            else:
+                (folder / f"{name}.png").write_bytes(base64.b64decode(images[0]["image/png"]))
+            named[name], where[name] = _alt(cell), f"{lab}, cell {i}"
+    return named
+
+
+def with_alt_text(page: str, named: dict[str, str], where: str) -> str:
+    """A notes page with each named figure's alt text filled in from its lab cell."""
+
+    def alt(figure: re.Match) -> str:
+        name = figure.group(1)
+        if name not in named:
+            raise ValueError(
+                f"{where} shows figure {name!r}, which no lab page of this edition draws "
+                "(a cell's metadata names it: overlapkit.figure)"
+            )
+        return f"{figure.group(0)}:alt: {named[name]}\n"
+
+    return _FIGURE.sub(alt, page)
 
 
 def start_sphinx(staging: Path, out: Path, edition: str, conf: Path = ROOT / "book"):

@@ -116,6 +116,7 @@ def make_lab(solution: nbformat.NotebookNode, name: str = "notebook") -> nbforma
             cell.outputs = []
             cell.execution_count = None
         cell.metadata.pop("execution", None)
+        cell.metadata.pop("overlapkit", None)  # the book's name for a figure the notes show
         if AFTER_CHECK in cell.metadata.get("tags", []):  # collapsed until the learner opens it
             cell.metadata.setdefault("jupyter", {})["source_hidden"] = True
     return lab

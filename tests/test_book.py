@@ -177,6 +177,64 @@ def test_every_figure_is_exported_as_svg_and_png_with_its_alt_text(tmp_path):
     assert "two bars" in (folder / "README.md").read_text()
 
 
+def _figure_cell(name: str, alt: str = "two bars"):
+    png = base64.b64encode(b"\x89PNG\r\n\x1a\n").decode()
+    metadata = {"mystnb": {"image": {"alt": alt}}, "overlapkit": {"figure": name}}
+    cell = nbformat.v4.new_code_cell("draw()", metadata=metadata)
+    cell.outputs = [
+        nbformat.v4.new_output("display_data", data={"image/png": png, "image/svg+xml": "<svg/>"})
+    ]
+    return cell
+
+
+def test_a_notes_page_shows_a_named_lab_figure_with_the_labs_alt_text(tmp_path):
+    views = {"07_bucketing": nbformat.v4.new_notebook(cells=[_figure_cell("sweep")])}
+    named = bookgen.named_figures(views, tmp_path)
+    assert (tmp_path / "sweep.svg").read_text() == "<svg/>"
+    page = "Text.\n\n```{figure} figures/sweep.*\n:width: 100%\n\nThe sweep.\n```\n"
+    shown = bookgen.with_alt_text(page, named, "notes/02.md")
+    assert "```{figure} figures/sweep.*\n:alt: two bars\n:width: 100%\n" in shown
+
+
+def test_a_notes_figure_no_lab_page_draws_fails_the_build_naming_page_and_figure():
+    page = "```{figure} figures/bubble.*\n\nThe bubble.\n```\n"
+    with pytest.raises(ValueError, match=r"notes/03\.md shows figure 'bubble'"):
+        bookgen.with_alt_text(page, {"sweep": "two bars"}, "notes/03.md")
+
+
+def test_a_figure_name_given_twice_fails_naming_both_cells(tmp_path):
+    views = {
+        "07_bucketing": nbformat.v4.new_notebook(cells=[_figure_cell("sweep")]),
+        "12_fully_sharded": nbformat.v4.new_notebook(cells=[_figure_cell("sweep")]),
+    }
+    with pytest.raises(ValueError, match=r"07_bucketing, cell 0 and in 12_fully_sharded, cell 0"):
+        bookgen.named_figures(views, tmp_path)
+
+
+def test_every_figure_the_notes_show_is_named_once_in_a_solution_cell_with_alt_text():
+    named = {}
+    for solution in SOLUTIONS:
+        for i, cell in enumerate(nbformat.read(solution, as_version=4).cells):
+            name = cell.metadata.get("overlapkit", {}).get(bookgen.FIGURE_KEY)
+            if name:
+                assert name not in named, f"{name!r}: {named.get(name)} and {solution.name}"
+                assert bookgen._alt(cell), f"{solution.name}, cell {i}: {name!r} has no alt text"
+                named[name] = solution.name
+    asked = {
+        page.name: bookgen._FIGURE.findall(page.read_text(encoding="utf-8"))
+        for page in (ROOT / "book/notes").glob("*.md")
+    }
+    missing = {page: set(names) - set(named) for page, names in asked.items()}
+    assert not any(missing.values()), missing
+    chapters = [page for page in asked if page != "index.md"]
+    assert all(asked[page] for page in chapters), {p: len(asked[p]) for p in chapters}
+
+
+def test_a_student_notebook_carries_no_figure_name():
+    lab = make_lab(nbformat.v4.new_notebook(cells=[_figure_cell("sweep")]))
+    assert "overlapkit" not in lab.cells[0].metadata
+
+
 # ---- the built book, in Chromium ----------------------------------------------------------
 
 
@@ -306,6 +364,13 @@ def _open_every_page(chromium, site: Path, url: str, edition: str) -> dict:
                       c.metadata.get("mystnb", {}).get("image", {}).get("alt")]  # fmt: skip
             assert not silent, f"{where}: the figures of cells {silent} have no alt text"
             figures[html.stem[:2]] = shown
+        if where.parts[:2] == ("book", "notes") and where.stem != "index":
+            alts = page.evaluate(
+                "() => [...document.querySelectorAll('figure img')]"
+                ".map(i => i.naturalWidth > 0 ? i.alt : null)"
+            )
+            assert alts and all(alts), f"{edition}: {where} shows figures {alts} (null: not loaded)"
+            figures[f"notes/{where.stem[:2]}"] = len(alts)
         if page.locator("span.math, div.math").count():  # typeset by the book's own MathJax
             page.wait_for_function(
                 "() => document.querySelectorAll('.MathJax, .MathJax_Display').length > 0",
@@ -316,7 +381,7 @@ def _open_every_page(chromium, site: Path, url: str, edition: str) -> dict:
         problems.clear()
         assert not outside, f"{edition}: {where} asked the network for {outside}"
     page.close()
-    return {"pages": len(pages), "figures per lab page": figures}
+    return {"pages": len(pages), "figures per lab and notes page": figures}
 
 
 def test_a_widget_becomes_a_line_and_its_state_goes_so_no_page_loads_a_cdn():
