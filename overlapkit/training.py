@@ -26,6 +26,12 @@ rank's median, timed on every rank before training — so "15% slower" means 15%
 than the others, whatever the machine does to them. In ``sync`` every
 step then waits for it; the other modes wait for it less often.
 
+``compute=seconds`` emulates a heavier model: every rank's forward and backward are
+stretched (by sleeping) to that many seconds per step, as a GPU's kernels take while the
+CPU that launched them waits. A sleeping rank does not compete for the cores, so on a
+small, busy machine step times are set by the run and its link, not by whatever else the
+machine runs; a straggler's ``factor`` then multiplies these seconds.
+
 Every rank starts from the same parameters (rank 0's, broadcast) and reads its own
 batches from one seeded stream, so a run is reproducible. The returned history holds,
 per step, the wall time since the start and the loss of the *averaged* model on a fixed
@@ -243,23 +249,36 @@ def _collective(all_reduce, world: int) -> tuple:
     return all_reduce, compressor
 
 
-def _compute(model, pool, step: int, micro: int, slowed: tuple, span, t0: float) -> float:
+def _compute(model, pool, step: int, micro: int, stretched: tuple, span, t0: float) -> float:
     """Step ``step``'s gradient: ``micro`` batches of the ``pool`` (their mean), forward and
-    backward, begun at ``t0``; ``slowed = (factor, nominal)``: on a straggler (factor > 1)
-    stretched to ``factor`` times the others' usual compute (``nominal`` seconds). Returns
-    the seconds since ``t0``."""
-    factor, nominal = slowed
+    backward, begun at ``t0``; ``stretched = (emulated, total)``: stretched to ``emulated``
+    seconds of emulated compute, then to ``total`` seconds by straggling (either 0: not
+    stretched). Returns the seconds since ``t0``."""
+    emulated, total = stretched
     model.zero_grad(set_to_none=True)
     for i in range(micro):
         x, y = pool[((step - 1) * micro + i) % len(pool)]
         (torch.nn.functional.mse_loss(model(x), y) / micro).backward()
-    computed = time.perf_counter() - t0
     span("forward+backward", t0)
-    if factor > 1:  # stretched to `factor` times the others' usual compute
-        t1 = time.perf_counter()
-        _stretch(factor * nominal - computed)
-        span("straggling", t1)
+    for seconds, name in ((emulated, "emulated compute"), (total, "straggling")):
+        if seconds > time.perf_counter() - t0:
+            t1 = time.perf_counter()
+            _stretch(seconds - (t1 - t0))
+            span(name, t1)
     return time.perf_counter() - t0
+
+
+def _stretched(factor: float, slow: dict, compute: float | None, model, pool, micro: int):
+    """``(emulated, total)`` seconds of this rank's compute per step (see :func:`_compute`):
+    emulated ``compute`` seconds, times this rank's straggler ``factor`` in all; without
+    ``compute``, ``factor`` times the slowest rank's usual compute where any rank is ``slow``
+    (every rank takes part in timing it)."""
+    if compute:
+        return compute, factor * compute
+    if not slow:
+        return 0.0, 0.0
+    nominal = _nominal_compute(model, pool, micro)  # on every rank: it is collective
+    return 0.0, factor * nominal if factor > 1 else 0.0
 
 
 def _start(task: Task, model, world: int, me: int, batches: int) -> list:
@@ -286,7 +305,8 @@ def _spans(timeline):
 def train(task: Task, steps: int = 200, lr: float = 0.05, mode: str = "sync",
           staleness: int = 1, local_steps: int = 4, accumulate: int = 4,
           slow: dict | None = None, eval_every: int = 10, all_reduce=None, timeline=None,
-          compensate: float = 0.0, clip: float | None = None) -> History:  # fmt: skip
+          compensate: float = 0.0, clip: float | None = None,
+          compute: float | None = None) -> History:  # fmt: skip
     """Train ``task``'s model for ``steps`` steps on every rank; see the module's text.
 
     ``all_reduce(tensor, op=..., async_op=...)``: the collective (default the kit's ring,
@@ -294,10 +314,14 @@ def train(task: Task, steps: int = 200, lr: float = 0.05, mode: str = "sync",
     compressor of ``ok.compression``, which then averages the gradients (the whole model's,
     one bucket) while the parameters and evaluations are averaged exactly by the ring.
     ``timeline`` gets compute, straggler and comm spans. ``compensate``: DC-ASGD's λ for
-    stale gradients; ``clip``: the largest gradient norm applied (both in the module's text).
+    stale gradients; ``clip``: the largest gradient norm applied; ``compute``: the seconds
+    of emulated compute per step (all three in the module's text).
     """
     slow = slow or {}
     _check_arguments(mode, steps, staleness, local_steps, accumulate, compensate, clip, slow)
+    if compute is not None and not (isinstance(compute, int | float) and compute > 0):
+        raise ValueError(f"compute is the seconds of emulated compute per step, > 0 (or None); "
+                         f"got {compute!r}")  # fmt: skip
     world, me = runtime.world_size(), runtime.rank()
     all_reduce, compressor = _collective(all_reduce, world)
     model = task.model()
@@ -320,14 +344,14 @@ def train(task: Task, steps: int = 200, lr: float = 0.05, mode: str = "sync",
         history.wall.append(clock)
         history.loss.append(_eval_loss(task, model, all_reduce))
 
-    slowed = (float(slow.get(me, 1.0)), _nominal_compute(model, pool, micro) if slow else 0.0)
+    stretched = _stretched(float(slow.get(me, 1.0)), slow, compute, model, pool, micro)
     # no barrier between steps: a rank waits only where its mode communicates (and at the
     # evaluations, whose time is not counted): a fast rank runs ahead as far as it lets it
     record(0)
     for step in range(1, steps + 1):
         t0 = time.perf_counter()
         # ---- compute: one gradient (or `accumulate` of them), slowed on a straggler
-        history.compute_time.append(_compute(model, pool, step, micro, slowed, span, t0))
+        history.compute_time.append(_compute(model, pool, step, micro, stretched, span, t0))
         grad = _flat_grads(model)
         # ---- communicate and update, by mode
         t2 = time.perf_counter()

@@ -52,6 +52,19 @@ def test_the_straggler_sleeps_only_on_its_rank():
     assert "straggling" not in names[0] and "straggling" in names[1]
 
 
+def test_emulated_compute_lasts_its_seconds_and_a_straggler_multiplies_them():
+    results = ok.launch(_run, "sync", 6, {"compute": 0.05, "slow": {1: 1.5}}, world_size=2)
+    (fast, fast_tl), (slow, slow_tl) = results
+    fast_s, slow_s = sorted(fast.compute_time)[3], sorted(slow.compute_time)[3]
+    assert fast_s >= 0.05 and slow_s >= 0.075, (fast.compute_time, slow.compute_time)
+    assert 1.25 < slow_s / fast_s < 1.75, (fast.compute_time, slow.compute_time)
+    assert {s.name for s in fast_tl.spans} >= {"emulated compute"}
+    assert "straggling" not in {s.name for s in fast_tl.spans}
+    assert {s.name for s in slow_tl.spans} >= {"emulated compute", "straggling"}
+    # every step waits for the straggler: the fast rank's step is as long as its compute
+    assert sorted(fast.step_time)[3] >= 0.075, fast.step_time
+
+
 @pytest.mark.parametrize(
     ("kwargs", "words"),
     [
@@ -63,6 +76,8 @@ def test_the_straggler_sleeps_only_on_its_rank():
         ({"compensate": 0.5}, "compensate= corrects stale gradients: it needs mode='stale'"),
         ({"clip": 0}, "clip is the largest gradient norm applied, > 0"),
         ({"all_reduce": "nccl"}, "a compressor of ok.compression or a function; got 'nccl'"),
+        ({"compute": 0}, "compute is the seconds of emulated compute per step, > 0"),
+        ({"compute": "fast"}, "seconds of emulated compute per step, > 0 .or None.; got 'fast'"),
     ],
 )
 def test_bad_training_options_are_refused_clearly(kwargs, words):
