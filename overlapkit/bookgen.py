@@ -232,6 +232,25 @@ def _lab_title(nb, fallback: str) -> str:
     return fallback
 
 
+#: the root page's opening paragraph, per edition
+_WELCOME = {
+    "students": (
+        "Fifteen Jupyter labs on how distributed training hides communication behind "
+        "computation, with the lecture notes they rest on. Each lab page shows the notebook "
+        "as run when this book was built, figures included; the exercises appear as you get "
+        "them. Start with the [introduction](book/intro.md), then work the labs in order on "
+        "your own machine."
+    ),
+    "instructors": (
+        "The course book with every answer: the labs as solved and run, the lecture notes, and "
+        "the instructors' part (a guide per lab with the checks' words, answers and a quiz; a "
+        "workshop plan, syllabi, hardware sizing, the grader). Start with the "
+        "[introduction](book/intro.md) and [For instructors](book/instructors/index.md), "
+        "which says how to hand out the labs and publish the students' edition."
+    ),
+}
+
+
 def index_page(edition: str, labs: list[str], pages: set[str]) -> str:
     """The edition's root page: its table of contents."""
 
@@ -248,7 +267,7 @@ def index_page(edition: str, labs: list[str], pages: set[str]) -> str:
     title = "overlapkit: the course book" + (
         " (instructors' edition)" if edition == "instructors" else ""
     )
-    text = f"# {title}\n\n"
+    text = f"# {title}\n\n" + _WELCOME[edition] + "\n\n"
     text += toc("Start here", ["book/intro"])
     text += toc(
         "Lecture notes",
