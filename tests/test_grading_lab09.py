@@ -141,6 +141,18 @@ def only_rank_zero(model):
         collective_alone(model)
 
 
+def averaged_and_cleared_the_grads(model):
+    """The parameters averaged right, then the gradients cleared (not the average's business)."""
+    average_parameters(model)
+    model.zero_grad()
+
+
+def averaged_params_and_grads(model):
+    average_parameters(model)
+    for p in model.parameters():
+        ok.ring_all_reduce(p.grad, op="avg")
+
+
 def one_flat_vector(model):
     flat = torch.nn.utils.parameters_to_vector(model.parameters())
     ok.ring_all_reduce(flat, op="avg")
@@ -225,6 +237,8 @@ def test_the_average_parameters_solutions_pass(fn):
         (builtin, "called torch.distributed.all_reduce"),
         (new_parameters, "new parameter objects: the optimizer still holds the old ones"),
         (whole_state_dict, "running_mean changed"),
+        (averaged_and_cleared_the_grads, "was cleared: leave the gradients as they are"),
+        (averaged_params_and_grads, "changed: local SGD averages the parameters, not the grad"),
         (skip_first, "'0.bias' is averaged, this one is not: is every parameter averaged?"),
         (without_no_grad, "your own in-place change of a parameter (p /= …, p.copy_(…))"),
         (copy_without_no_grad, "make that change under torch.no_grad() (or on p.data)"),

@@ -321,10 +321,14 @@ def _judge(report, what, results, world) -> bool:
             return False
         for name, grad in zip(res["names"], res["grads"], strict=True):
             if grad is None or not torch.allclose(grad, torch.full_like(grad, res["grad_want"])):
-                report.fail(
-                    f"{what}: rank {rank}'s gradient of {name!r} changed: local SGD "
-                    "averages the parameters, not the gradients"
+                cleared = grad is None or not grad.any()
+                why = (
+                    "was cleared: leave the gradients as they are (zero_grad is the step's "
+                    "business, not the average's)"
+                    if cleared
+                    else "changed: local SGD averages the parameters, not the gradients"
                 )
+                report.fail(f"{what}: rank {rank}'s gradient of {name!r} {why}")
                 return False
         if not torch.allclose(res["buffer"], torch.full_like(res["buffer"], float(rank))):
             report.fail(
