@@ -20,6 +20,7 @@ from .lab10 import check_tuning
 from .lab10_predict import check_predict_step
 from .lab11_ag_matmul import check_ag_matmul
 from .lab11_moe import check_chunked_moe
+from .lab11_plan import check_moe_plan
 from .lab12 import check_fsdp_plan
 from .lab13_compression import check_topk_with_feedback
 from .lab14 import check_hybrid_plan, check_mesh_groups
@@ -52,6 +53,7 @@ __all__ = [
     "check_tuning",
     "check_ag_matmul",
     "check_chunked_moe",
+    "check_moe_plan",
     "check_fsdp_plan",
     "check_topk_with_feedback",
     "check_mesh_groups",

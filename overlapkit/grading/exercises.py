@@ -65,7 +65,8 @@ EXERCISES: tuple[Exercise, ...] = (
               "grading.lab10_predict"), light=True),
     Exercise("check_tuning", 10, 4, witnessed="overlapkit.grading.lab10"),
     Exercise("check_ag_matmul", 11, 4, ("tensor_parallel",)),
-    Exercise("check_chunked_moe", 11, 5, ("moe.MoELayer", "moe.reference_moe")),
+    Exercise("check_moe_plan", 11, 2, ("moe.MoELayer", "moe.reference_moe")),
+    Exercise("check_chunked_moe", 11, 3, ("moe.MoELayer", "moe.reference_moe")),
     # the cost model's simulated step lists each unit's gathers and compute in order, and
     # the wrapper's hooks take the same steps (a logged step of it is a plan)
     Exercise("check_fsdp_plan", 12, 5,
