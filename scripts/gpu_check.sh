@@ -17,6 +17,9 @@
 #       single-process reference;
 #   gpu-tests: the other tests marked @pytest.mark.gpu (tests/test_*.py);
 #   bench, demo: `python -m overlapkit bench collectives` (short) and `python -m overlapkit demo`;
+#   nccl-log, streams, nsys: scripts/gpu_nccl.py: a real NCCL_DEBUG=INFO log (nccl_debug.log in
+#       the logs folder), two CUDA streams with events and record_stream, and where Nsight
+#       Systems is installed, a report (overlap.nsys-rep) of an AllReduce under matmuls;
 #   notebook:NN_name: each solution notebook under nbval, while time is left.
 # Each step runs under `timeout`, within what is left of the budget; the whole run ends within
 # GPU_CHECK_BUDGET_S seconds (default 570, under ten minutes) and never hangs. No network, no
@@ -64,6 +67,9 @@ CHECKS=(
     "gpu-tests|1|2|240|the other @pytest.mark.gpu tests (tests/test_*.py): NCCL ranks, CUDA streams and timelines, DDP, FSDP, MoE, pipeline [pytest -m gpu]"
     "bench|1|2|120|python -m overlapkit bench collectives --sizes 1MB,16MB --reps 3 on as many ranks as GPUs (2 on one GPU: gloo on the CPU)"
     "demo|1|4|180|python -m overlapkit demo: 4 ranks, a ping-pong and a timeline picture on 2"
+    "nccl-log|1|2|120|NCCL_DEBUG=INFO of two all_reduces on as many NCCL ranks as GPUs (up to 8), kept as nccl_debug.log in the logs folder, to read as lab 10 reads the shipped one [scripts/gpu_nccl.py nccl-log]"
+    "streams|1|1|60|two CUDA streams ordered by events, a tensor kept for the side stream by record_stream, against one stream [scripts/gpu_nccl.py streams]"
+    "nsys|1|1|120|where Nsight Systems is installed: overlap.nsys-rep of an all_reduce on its own stream under matmuls, one NCCL rank [nsys profile scripts/gpu_nccl.py overlap]"
 )
 for nb in solutions/*.ipynb; do
     [ -e "$nb" ] || continue
@@ -643,6 +649,21 @@ for entry in "${CHECKS[@]}"; do
         demo)
             timeout -k 5 "$limit" "$PY" "$LOGS/gpu_check_run.py" 4,2 demo \
                 --out "$LOGS/demo.png" </dev/null >"$log" 2>&1
+            rc=$?
+            summarise "$name" $((SECONDS - began)) "$log" run "$log" "$rc" "$GPUS" "$limit"
+            ;;
+        nccl-log | streams)
+            timeout -k 5 "$limit" "$PY" scripts/gpu_nccl.py "$name" "$LOGS" </dev/null >"$log" 2>&1
+            rc=$?
+            summarise "$name" $((SECONDS - began)) "$log" run "$log" "$rc" "$GPUS" "$limit"
+            ;;
+        nsys)
+            if ! command -v nsys >/dev/null 2>&1; then
+                record SKIP "$name" "Nsight Systems (nsys) is not installed here" - 0 "" ""
+                continue
+            fi
+            timeout -k 5 "$limit" nsys profile -t cuda,nvtx,osrt --force-overwrite true \
+                -o "$LOGS/overlap" "$PY" scripts/gpu_nccl.py overlap "$LOGS" </dev/null >"$log" 2>&1
             rc=$?
             summarise "$name" $((SECONDS - began)) "$log" run "$log" "$rc" "$GPUS" "$limit"
             ;;

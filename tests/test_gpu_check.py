@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 #: the checks the script must offer (its --list names), besides one per solution notebook
 CHECKS = ["link", "compression", "tensor-parallel", "hybrid", "fsdp", "pipeline", "gpu-tests",
-          "bench", "demo"]  # fmt: skip
+          "bench", "demo", "nccl-log", "streams", "nsys"]  # fmt: skip
 NOTEBOOKS = sorted(p.stem for p in (ROOT / "solutions").glob("*.ipynb"))
 
 no_cuda = pytest.mark.skipif(
@@ -171,3 +171,12 @@ def test_the_hook_records_each_ranks_backend_and_device_and_judges_them(tmp_path
     fine = verdict(1)
     assert fine.startswith("PASS\t1 test passed\tbackend=gloo devices=cpu,cpu (2 ranks > 1 GPU: "
                            "gloo on the CPU)"), fine  # fmt: skip
+
+
+def test_the_nccl_and_streams_runner_refuses_without_cuda_or_a_mode(tmp_path):
+    runner = [sys.executable, str(ROOT / "scripts" / "gpu_nccl.py")]
+    done = subprocess.run([*runner, "bogus", str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 2 and "nccl-log" in done.stderr and "streams" in done.stderr
+    if not torch.cuda.is_available():
+        done = subprocess.run([*runner, "streams", str(tmp_path)], capture_output=True, text=True)
+        assert done.returncode == 2 and "no CUDA device here" in done.stderr

@@ -498,3 +498,39 @@ def test_chunked_moe_mistakes_are_named(edits, words):
     assert not report.all_passed
     for fragment in words if isinstance(words, tuple) else (words,):
         assert fragment in _text(report), _text(report)
+
+
+def test_an_all_to_all_by_a_name_saved_before_the_check_is_told_not_counted_as_none():
+    """The check watches ok.all_to_all by that name: a right answer calling it through a name
+    taken beforehand is told how to call it, not that it ran no all-to-all."""
+    source = MOE.replace(
+        "import overlapkit as ok\n", "import overlapkit as ok\n\nA2A = ok.all_to_all\n", 1
+    )
+    source = source.replace("ok.all_to_all(", "A2A(")
+    report = ok.grading.check_chunked_moe(_build(source, "chunked_moe"))
+    assert not report.all_passed
+    assert (
+        "returned the right outputs, but none of its all-to-alls went through ok.all_to_all"
+        in _text(report)
+    )
+
+
+def test_a_moe_without_any_all_to_all_is_told_so():
+    source = textwrap.dedent("""
+        def chunked_moe(x, expert_of, expert, chunks):
+            return expert(x)
+    """)
+    report = ok.grading.check_chunked_moe(_build(source, "chunked_moe"))
+    assert "ran no all-to-all the check saw: each token goes to its expert's rank" in _text(report)
+
+
+def test_ring_messages_by_names_imported_before_the_check_are_told_how_to_call_them():
+    source = AG.replace(
+        "import overlapkit as ok\n",
+        "import overlapkit as ok\nfrom overlapkit.p2p import isend, irecv\n",
+        1,
+    )
+    source = source.replace("ok.p2p.isend(", "isend(").replace("ok.p2p.irecv(", "irecv(")
+    report = ok.grading.check_ag_matmul(_build(source, "ag_matmul"))
+    assert not report.all_passed
+    assert "none of its messages went through ok.p2p.isend / ok.p2p.irecv" in _text(report)

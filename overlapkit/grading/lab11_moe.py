@@ -260,6 +260,24 @@ def _moe_case(report: Report, chunked_moe, world: int, chunks: int) -> Case:
                 failures=_Hinted(report, hint))  # fmt: skip
 
 
+#: a rank whose tokens came back right with no all-to-all the check saw
+_UNSEEN = ("returned the right outputs, but none of its all-to-alls went through "
+           "ok.all_to_all as the check sees it (it watches that name, to tell what overlaps "
+           "what): call it as ok.all_to_all(...), not by a name imported or saved before the "
+           "check ran (from overlapkit import all_to_all, a2a = ok.all_to_all)")  # fmt: skip
+#: a rank that ran no all-to-all the check saw, and whose outputs are wrong
+_NONE = ("ran no all-to-all the check saw: each token goes to its expert's rank with "
+         "ok.all_to_all (the dispatch) and comes back the same way (the combine); call it by "
+         "that name, which the check watches")  # fmt: skip
+
+
+def _all_right(res) -> bool:
+    """Whether a rank's outputs are every token's through its own expert."""
+    got, want = res["got"], res["want"]
+    return (isinstance(got, torch.Tensor) and got.shape == want.shape
+            and bool(torch.allclose(got, want, atol=1e-5)))  # fmt: skip
+
+
 def _split_sizes(error: str) -> str:
     """What the split sizes of an all-to-all are, after an error about them."""
     if "split_sizes" not in error:
@@ -267,8 +285,8 @@ def _split_sizes(error: str) -> str:
     return (
         " — input_split_sizes[j] is how many rows this rank sends to rank j (they add up to "
         "the input's rows), output_split_sizes[j] how many it receives from rank j (they add "
-        "up to the output's rows). The combine sends every rank back as many rows as that "
-        "rank dispatched here"
+        "up to the output's rows). In the combine, this rank sends every rank back as many "
+        "rows as that rank dispatched here"
     )
 
 
@@ -285,6 +303,10 @@ def _moe_results(report, what, results, chunks, hint) -> bool:
             report.fail(f"{what}: rank {rank} {twice}")
             return False
         got, want = res["got"], res["want"]
+        if res["a2a"] == 0:  # right everywhere: the all-to-alls went by a name the check missed
+            right = all(_all_right(r) for r, _ in results)
+            report.fail(f"{what}: rank {rank} " + (_UNSEEN if right else _NONE))
+            return False
         if not isinstance(got, torch.Tensor) or got.shape != want.shape:
             shape = list(got.shape) if isinstance(got, torch.Tensor) else got
             _Hinted(report, hint).fail(

@@ -35,6 +35,19 @@ def _rows(value):
         return None
 
 
+def _described(value, depth: int = 0) -> str:
+    """What a returned value is, for a ✘ line: "a tuple of 3: a list of 3 Tensors, …"."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {list(value.shape)}"
+    if isinstance(value, (tuple, list)) and depth < 1:
+        inner = ", ".join(_described(v, depth + 1) for v in value[:3])
+        return f"a {type(value).__name__} of {len(value)}: {inner}{', …' if len(value) > 3 else ''}"
+    if isinstance(value, (tuple, list)):
+        kinds = sorted({type(v).__name__ for v in value})
+        return f"a {type(value).__name__} of {len(value)} {'/'.join(kinds) or 'nothing'}"
+    return f"{type(value).__name__} {value!r:.40}"
+
+
 def _run_plan(moe_plan, chunks: int, seed: int):
     """On each rank: its own routing only (the seed drawn for it), so what comes here can
     be known only through the count exchange."""
@@ -48,12 +61,13 @@ def _run_plan(moe_plan, chunks: int, seed: int):
         builtin_collectives() as builtin,
     ):
         got = moe_plan(expert_of.clone(), chunks)
-    if not isinstance(got, (tuple, list)) or len(got) != 3:
-        plain = repr(got)[:80]
-    else:
+    plain = _described(got)
+    if isinstance(got, (tuple, list)) and len(got) == 3:
         orders = got[0] if isinstance(got[0], (tuple, list)) else None
-        plain = (None if orders is None else [_rows(o) for o in orders],
+        parts = (None if orders is None else [_rows(o) for o in orders],
                  _rows(got[1]), _rows(got[2]))  # fmt: skip
+        if None not in parts:
+            plain = parts
     return {"got": plain, "called": called, "builtin": builtin,
             "unwaited": handles.take_unwaited(), "expert_of": expert_of.tolist()}  # fmt: skip
 
@@ -106,9 +120,8 @@ def _judge(report, what: str, results, chunks: int) -> bool:
         sends.append([[sum(1 for t in range(lo, hi) if expert_of[t] == j) for j in range(world)]
                       for lo, hi in bounds])  # fmt: skip
         got = res["got"]
-        if isinstance(got, str) or got[0] is None or got[1] is None or got[2] is None:
-            report.fail(f"{what}: rank {rank} returned {got if isinstance(got, str) else '…'}: "
-                        f"{SHAPE}")  # fmt: skip
+        if isinstance(got, str):
+            report.fail(f"{what}: rank {rank} returned {got}; {SHAPE}")
             return False
         fault = _order_fault(got[0], expert_of, bounds) or _send_fault(
             got[1], sends[-1], expert_of, world
