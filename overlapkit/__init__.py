@@ -58,7 +58,7 @@ from .runtime import backend, backends, device, is_main, local_rank, rank, world
 from .sharded import ShardedOptimizer
 from .timeline import Span, Timeline
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 
 def __getattr__(name: str):
