@@ -276,7 +276,8 @@ def index_page(edition: str, labs: list[str], pages: set[str]) -> str:
     text += toc("Labs", [f"labs/{name}" for name in labs])
     text += toc("Reference", ["book/glossary", "book/api", "book/gpus"])
     if edition == "instructors":
-        plans = [f"book/instructors/{p}" for p in ("index", "workshop", "syllabus", "sizing")]
+        plans = [f"book/instructors/{p}"
+                 for p in ("index", "workshop", "syllabus", "sizing", "problems")]  # fmt: skip
         labs_guides = sorted(p for p in pages if p.startswith("book/instructors/lab"))
         guide = [*plans, *labs_guides, "book/instructors/changelog", "book/grading"]
         text += toc("For instructors", guide)
