@@ -290,13 +290,19 @@ def _split_sizes(error: str) -> str:
     )
 
 
+def refused_moe_rank(report, what, rank, res, traffic, instead: str, use: str) -> bool:
+    """The ✘ line for a rank that ran the kit's MoE layer (``instead``: what to do) or a
+    built-in collective (``use``: what to call), or left an operation unwaited."""
+    if res["called"]:
+        report.fail(f"{what}: rank {rank} used ok.moe.MoELayer, the kit's answer: {instead}")
+        return True
+    return refused_rank(report, what, rank, res, traffic, use)
+
+
 def _moe_results(report, what, results, chunks, hint) -> bool:
     for rank, (res, traffic) in enumerate(results):
-        if res["called"]:
-            report.fail(f"{what}: rank {rank} used ok.moe.MoELayer, the kit's answer: "
-                        "dispatch and combine with ok.all_to_all yourself")  # fmt: skip
-            return False
-        if refused_rank(report, what, rank, res, traffic, "use ok.all_to_all"):
+        instead = "dispatch and combine with ok.all_to_all yourself"
+        if refused_moe_rank(report, what, rank, res, traffic, instead, "use ok.all_to_all"):
             return False
         twice = _dispatched_twice(res, chunks)
         if twice:

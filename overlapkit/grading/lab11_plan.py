@@ -17,9 +17,9 @@ import torch
 from .. import handles
 from ..collectives import chunk_bounds
 from .cases import Case, private_seeds, run_cases
-from .common import builtin_collectives, refused_rank
+from .common import builtin_collectives
 from .lab03_collectives import CHECK_LINK
-from .lab11_moe import _moe_tokens
+from .lab11_moe import _moe_tokens, refused_moe_rank
 from .lab11_tensor_expert import _WORLD_HINT, _forbidden, _Hinted
 from .report import Report
 
@@ -109,11 +109,8 @@ def _judge(report, what: str, results, chunks: int) -> bool:
     world = len(results)
     sends = []
     for rank, (res, traffic) in enumerate(results):
-        if res["called"]:
-            report.fail(f"{what}: rank {rank} used ok.moe.MoELayer, the kit's answer: plan "
-                        "the dispatch yourself")  # fmt: skip
-            return False
-        if refused_rank(report, what, rank, res, traffic, "use ok.moe.exchange_counts"):
+        use = "use ok.moe.exchange_counts"
+        if refused_moe_rank(report, what, rank, res, traffic, "plan the dispatch yourself", use):
             return False
         expert_of = res["expert_of"]
         bounds = chunk_bounds(len(expert_of), chunks)
