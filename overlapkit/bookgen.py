@@ -347,8 +347,7 @@ def named_figures(views: dict[str, nbformat.NotebookNode], folder: Path) -> dict
     """Write each named figure of one edition's lab pages into ``folder``; returns name → alt
     text. The notes take a figure from the page as that edition shows it, so a figure the
     students' page leaves out is missing from their notes too (and the build fails)."""
-    named: dict[str, str] = {}
-    where: dict[str, str] = {}
+    found: dict[str, tuple[str, str]] = {}  # name -> (alt text, the lab and cell)
     for lab, nb in views.items():
         for i, cell in enumerate(nb.cells):
             name = cell.metadata.get("overlapkit", {}).get(FIGURE_KEY)
@@ -357,9 +356,9 @@ def named_figures(views: dict[str, nbformat.NotebookNode], folder: Path) -> dict
             ]
             if not name or not images:
                 continue
-            if name in named:
+            if name in found:
                 raise ValueError(
-                    f"figure {name!r} is named in {where[name]} and in {lab}, cell {i}"
+                    f"figure {name!r} is named in {found[name][1]} and in {lab}, cell {i}"
                 )
             folder.mkdir(parents=True, exist_ok=True)
             svg = images[0].get("image/svg+xml")
@@ -367,8 +366,8 @@ def named_figures(views: dict[str, nbformat.NotebookNode], folder: Path) -> dict
                 (folder / f"{name}.svg").write_text(svg if isinstance(svg, str) else "".join(svg))
             else:
                 (folder / f"{name}.png").write_bytes(base64.b64decode(images[0]["image/png"]))
-            named[name], where[name] = _alt(cell), f"{lab}, cell {i}"
-    return named
+            found[name] = (_alt(cell), f"{lab}, cell {i}")
+    return {name: alt for name, (alt, _) in found.items()}
 
 
 def with_alt_text(page: str, named: dict[str, str], where: str) -> str:

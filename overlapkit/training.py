@@ -210,8 +210,11 @@ def _eval_loss(task: Task, model, all_reduce) -> float:
 
 
 def _check_arguments(mode, steps, staleness, local_steps, accumulate, compensate, clip,
-                     slow: dict) -> None:  # fmt: skip
+                     slow: dict, compute) -> None:  # fmt: skip
     """:func:`train`'s arguments, checked before anything runs."""
+    if compute is not None and not (isinstance(compute, int | float) and compute > 0):
+        raise ValueError(f"compute is the seconds of emulated compute per step, > 0 (or None); "
+                         f"got {compute!r}")  # fmt: skip
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
     for name, value in (("staleness", staleness), ("local_steps", local_steps),
@@ -318,10 +321,8 @@ def train(task: Task, steps: int = 200, lr: float = 0.05, mode: str = "sync",
     of emulated compute per step (all three in the module's text).
     """
     slow = slow or {}
-    _check_arguments(mode, steps, staleness, local_steps, accumulate, compensate, clip, slow)
-    if compute is not None and not (isinstance(compute, int | float) and compute > 0):
-        raise ValueError(f"compute is the seconds of emulated compute per step, > 0 (or None); "
-                         f"got {compute!r}")  # fmt: skip
+    _check_arguments(mode, steps, staleness, local_steps, accumulate, compensate, clip, slow,
+                     compute)  # fmt: skip
     world, me = runtime.world_size(), runtime.rank()
     all_reduce, compressor = _collective(all_reduce, world)
     model = task.model()

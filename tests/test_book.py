@@ -161,22 +161,6 @@ def test_the_students_edition_leaves_out_the_instructors_pages(tmp_path):
     assert "### BEGIN SOLUTION" not in lab
 
 
-def test_every_figure_is_exported_as_svg_and_png_with_its_alt_text(tmp_path):
-    png = base64.b64encode(b"\x89PNG\r\n\x1a\n").decode()
-    cell = nbformat.v4.new_code_cell("draw()", metadata={"mystnb": {"image": {"alt": "two bars"}}})
-    cell.outputs = [
-        nbformat.v4.new_output("display_data", data={"image/png": png, "image/svg+xml": "<svg/>"})
-    ]
-    executed = tmp_path / "executed"
-    executed.mkdir()
-    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), executed / "03_ring.ipynb")
-    assert bookgen.export_figures(executed, tmp_path / "figures") == 1
-    folder = tmp_path / "figures/lab03"
-    assert (folder / "cell00-1.svg").read_text() == "<svg/>"
-    assert (folder / "cell00-1.png").read_bytes().startswith(b"\x89PNG")
-    assert "two bars" in (folder / "README.md").read_text()
-
-
 def _figure_cell(name: str, alt: str = "two bars"):
     png = base64.b64encode(b"\x89PNG\r\n\x1a\n").decode()
     metadata = {"mystnb": {"image": {"alt": alt}}, "overlapkit": {"figure": name}}
@@ -185,6 +169,18 @@ def _figure_cell(name: str, alt: str = "two bars"):
         nbformat.v4.new_output("display_data", data={"image/png": png, "image/svg+xml": "<svg/>"})
     ]
     return cell
+
+
+def test_every_figure_is_exported_as_svg_and_png_with_its_alt_text(tmp_path):
+    cell = _figure_cell("ring")
+    executed = tmp_path / "executed"
+    executed.mkdir()
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), executed / "03_ring.ipynb")
+    assert bookgen.export_figures(executed, tmp_path / "figures") == 1
+    folder = tmp_path / "figures/lab03"
+    assert (folder / "cell00-1.svg").read_text() == "<svg/>"
+    assert (folder / "cell00-1.png").read_bytes().startswith(b"\x89PNG")
+    assert "two bars" in (folder / "README.md").read_text()
 
 
 def test_a_notes_page_shows_a_named_lab_figure_with_the_labs_alt_text(tmp_path):
