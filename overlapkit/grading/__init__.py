@@ -24,6 +24,7 @@ from .lab11_plan import check_moe_plan
 from .lab12 import check_fsdp_plan
 from .lab13_compression import check_topk_with_feedback
 from .lab14 import check_hybrid_plan, check_mesh_groups
+from .lab15_schedule import check_latency_hiding_order
 from .report import Report
 
 # every rank forked from now on has what the checks' watch works out at import
@@ -58,4 +59,5 @@ __all__ = [
     "check_topk_with_feedback",
     "check_mesh_groups",
     "check_hybrid_plan",
+    "check_latency_hiding_order",
 ]

@@ -82,6 +82,9 @@ EXERCISES: tuple[Exercise, ...] = (
              light=True),
     Exercise("check_hybrid_plan", 14, 5,
              ("hybrid.plan_for", "hybrid.HybridStage", "grading.lab14.judge_plan")),
+    # lab 15: the kit's list scheduler (its simulation is the lab's tool, not the answer)
+    Exercise("check_latency_hiding_order", 15, 4, ("scheduling.latency_hiding_order",),
+             light=True),
 )  # fmt: skip
 
 #: answers a check forbids by how it is asked to judge, not by which exercise it is

@@ -1,0 +1,98 @@
+"""Lab 15's check: a latency-hiding order passes; each typical mistake is named (waits not
+sunk, starts not raised, the newest collective waited for first, the limit on bytes in
+flight ignored, one rank's own timings deciding the order, an order that cannot run)."""
+
+import pytest
+
+import overlapkit as ok
+
+from .conftest import failed_with
+
+
+def scheduler(pick_compute=None, oldest=True, limit=True, starts_first=True):
+    """A learner's list scheduler, with the choices a mistake changes."""
+
+    def latency_hiding_order(graph, max_in_flight):
+        order, done, flying, todo = [], set(), [], list(graph.ops)
+
+        def ready(op):
+            return all(n in done for n in op.needs)
+
+        def issue(op):
+            todo.remove(op)
+            done.add(op.name)
+            order.append(op.name)
+
+        while todo:
+            room = (max_in_flight if limit else float("inf")) - sum(b for _, b in flying)
+            starts = [op for op in todo if op.kind == "start" and ready(op)
+                      and (op.nbytes <= room or not flying)]  # fmt: skip
+            work = [op for op in todo if op.kind == "compute" and ready(op)]
+            if starts and (starts_first or not work):
+                issue(starts[0])
+                flying.append((starts[0].name, starts[0].nbytes))
+            elif work:
+                issue(pick_compute(work) if pick_compute else work[0])
+            else:
+                name = flying.pop(0 if oldest else -1)[0]
+                issue(next(op for op in todo if op.kind == "wait" and name in op.needs))
+        return order
+
+    return latency_hiding_order
+
+
+def test_a_latency_hiding_order_passes_every_case():
+    result = ok.grading.check_latency_hiding_order(scheduler())
+    assert result.all_passed, result.cases
+    assert len(result.cases) == 7
+
+
+def test_program_order_is_told_to_sink_its_waits():
+    def latency_hiding_order(graph, max_in_flight):
+        return [op.name for op in graph.ops]
+
+    failed_with(ok.grading.check_latency_hiding_order(latency_hiding_order),
+                "'wait ar fc4' at order[2] stalls the compute stream",
+                "which does not need it, could run first: sink each wait")  # fmt: skip
+
+
+def test_compute_before_starts_is_told_to_raise_the_starts():
+    failed_with(ok.grading.check_latency_hiding_order(scheduler(starts_first=False)),
+                "Start each collective as soon as its inputs are issued")  # fmt: skip
+
+
+def test_waiting_for_the_newest_collective_first_is_named():
+    failed_with(ok.grading.check_latency_hiding_order(scheduler(oldest=False)),
+                "started before it, is still in flight",
+                "so wait for the oldest first")  # fmt: skip
+
+
+def test_an_ignored_limit_on_bytes_in_flight_is_named_with_what_is_held():
+    failed_with(ok.grading.check_latency_hiding_order(scheduler(limit=False)),
+                "data-parallel backward, 2 MiB in flight: order[3]: starting 'start ar fc3' "
+                "puts 4 MiB in flight (start ar fc4, start ar fc3), above the limit 2 MiB")  # fmt: skip
+
+
+def test_an_order_chosen_by_one_ranks_own_timings_is_told_ranks_must_agree():
+    shortest = scheduler(pick_compute=lambda work: min(work, key=lambda op: op.seconds))
+    result = ok.grading.check_latency_hiding_order(shortest)
+    failed_with(result, "given rank 1's measured times",
+                "its collective #0 is 'start ar b' where rank 0's is 'start ar a'",
+                "never by one rank's own timings")  # fmt: skip
+    assert sum(not passed for passed, _ in result.cases) == 1  # every step was right
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ("return [op.name for op in graph.ops][:-1]",
+         "the order leaves out 1 of 16 operations: 'update fc1'"),
+        ("return None", "an order is a list of operation names; got NoneType"),
+        ("return list(graph.ops)", "the value holds an object of overlapkit.scheduling.Op"),
+        ("raise NotImplementedError", "not implemented yet"),
+    ],
+)  # fmt: skip
+def test_an_order_that_cannot_run_is_named(body, words):
+    namespace = {}
+    exec(f"def latency_hiding_order(graph, max_in_flight):\n    {body}\n", namespace)
+    failed_with(ok.grading.check_latency_hiding_order(namespace["latency_hiding_order"]), words)
