@@ -69,8 +69,8 @@ def test_waiting_for_the_newest_collective_first_is_named():
 
 def test_an_ignored_limit_on_bytes_in_flight_is_named_with_what_is_held():
     failed_with(ok.grading.check_latency_hiding_order(scheduler(limit=False)),
-                "data-parallel backward, 2 MiB in flight: order[3]: starting 'start ar fc3' "
-                "puts 4 MiB in flight (start ar fc4, start ar fc3), above the limit 2 MiB")  # fmt: skip
+                "data-parallel backward, 2 MiB in flight: order[3]: starting 'start ar fc3' puts "
+                "4 MiB in flight (start ar fc4, start ar fc3), above the limit 2 MiB")  # fmt: skip
 
 
 def test_an_order_chosen_by_one_ranks_own_timings_is_told_ranks_must_agree():
