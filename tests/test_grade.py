@@ -35,15 +35,6 @@ def _by_name(result):
     return {e["name"]: e for e in result["exercises"]}
 
 
-def test_a_solved_notebook_gets_full_marks_and_the_lab_itself_zero(tmp_path, labs):
-    solved = grade_notebook(_student(tmp_path, notebook(ONE_F_ONE_B, ASSIGN)), labs)
-    assert solved["score"] == solved["max_score"] == 6.0  # 3 + 3 points
-    assert all(e["points"] == e["max_points"] for e in solved["exercises"])
-    blank = grade_notebook(labs / "99_grading_test.ipynb", labs)
-    assert blank["score"] == 0 and blank["max_score"] == 6.0
-    assert "not implemented yet" in _by_name(blank)["1f1b_schedule"]["feedback"]
-
-
 def test_one_broken_exercise_gives_partial_marks_with_its_reason(tmp_path, labs):
     broken = ONE_F_ONE_B.replace("warm = min(stages - s - 1, micro_batches)", "warm = 0")
     result = grade_notebook(_student(tmp_path, notebook(broken, ASSIGN)), labs)
@@ -94,13 +85,16 @@ def test_a_notebook_with_its_own_ok_scores_zero_with_the_reason(tmp_path, labs):
     assert "binds `ok` to something else" in result["exercises"][0]["feedback"]
 
 
-def test_grading_a_folder_prints_one_result_per_notebook_and_gradescope_json(tmp_path, labs):
-    for i in range(2):  # each notebook takes a kernel and two judges: ~30 s on a busy machine
-        nb = notebook(ONE_F_ONE_B if i % 2 else UNFINISHED.format(name="one_f_one_b"), ASSIGN)
-        _student(tmp_path, nb, f"student{i}.ipynb")
+def test_grading_a_folder_gives_the_lab_itself_zero_a_solved_one_full_marks_and_gradescope_json(
+    tmp_path, labs
+):
+    # each notebook takes a kernel and two judges: ~30 s on a busy machine
+    (tmp_path / "students").mkdir()
+    blank = tmp_path / "students" / "student0.ipynb"  # the lab as handed out, unchanged
+    blank.write_text((labs / "99_grading_test.ipynb").read_text())
+    _student(tmp_path, notebook(ONE_F_ONE_B, ASSIGN), "student1.ipynb")
     # the graded notebooks are named as the lab they come from
-    (labs / "student0.ipynb").write_text((labs / "99_grading_test.ipynb").read_text())
-    for i in range(1, 2):
+    for i in range(2):
         (labs / f"student{i}.ipynb").write_text((labs / "99_grading_test.ipynb").read_text())
     cmd = [
         sys.executable,
@@ -113,11 +107,14 @@ def test_grading_a_folder_prints_one_result_per_notebook_and_gradescope_json(tmp
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     results = json.loads(done.stdout)
-    assert [r["score"] for r in results] == [3.0, 6.0]
+    assert [r["score"] for r in results] == [0.0, 6.0]
+    assert all(r["max_score"] == 6.0 for r in results)
+    assert "not implemented yet" in _by_name(results[0])["1f1b_schedule"]["feedback"]
+    assert all(e["points"] == e["max_points"] for e in results[1]["exercises"])
     out = tmp_path / "results.json"  # the same results as one Gradescope submission
     write_gradescope(results, out, folder=False)
     data = json.loads(out.read_text())
-    assert data["score"] == 9.0 and len(data["tests"]) == 4
+    assert data["score"] == 6.0 and len(data["tests"]) == 4
     assert set(data["tests"][0]) == {"name", "score", "max_score", "output"}
 
 
