@@ -60,10 +60,11 @@ class Graph:
     """A step's operations in program order (the order the code was written in: each
     collective waited for right after it was started, as eager code does)."""
 
-    ops: list[Op]
+    ops: tuple[Op, ...]
     title: str = ""
 
     def __post_init__(self):
+        self.ops = tuple(self.ops)  # a scheduler copies what it takes from: list(graph.ops)
         self.by_name = {op.name: op for op in self.ops}
 
     def op(self, name: str) -> Op:
@@ -173,22 +174,27 @@ def simulate(graph: Graph, order, max_in_flight: float = float("inf")) -> Simula
 
 def latency_hiding_order(graph: Graph, max_in_flight: float = float("inf")) -> list[str]:
     """A list scheduler that hides what it can: at each point, of the operations whose
-    needs are issued, (1) start a collective if its buffer fits in flight — collectives
-    raised as early as their inputs allow; else (2) run a compute operation — in program
-    order; else (3) wait, for the collective started first (on one link it finishes
-    first) — waits sunk to where nothing else can run. Ties go to program order, so every
-    rank given one graph issues one order."""
+    needs are issued, (1) start the next collective in program order if its buffer fits in
+    flight — collectives raised as early as their inputs and the limit allow, in the order
+    the program starts them (a later, smaller one jumping ahead would hold bytes the earlier
+    one needs); else (2) run a compute operation — in program order; else (3) wait, for the
+    collective started first (on one link it finishes first) — waits sunk to where nothing
+    else can run. Choices follow the graph alone, so every rank issues one order."""
     issued: set[str] = set()
     order: list[str] = []
     in_flight: list[Op] = []  # started, not yet waited for, oldest first
     wait_of = _wait_of(graph)
     pending = list(graph.ops)
     while pending:
-        ready = [op for op in pending if all(n in issued for n in op.needs)]
         held = sum(op.nbytes for op in in_flight)
-        pick = next((op for op in ready if op.kind == "start"
-                     and (held + op.nbytes <= max_in_flight or not in_flight)), None)  # fmt: skip
-        pick = pick or next((op for op in ready if op.kind == "compute"), None)
+        start = next((op for op in pending if op.kind == "start"), None)
+        if start is not None and not (
+            all(n in issued for n in start.needs)
+            and (held + start.nbytes <= max_in_flight or not in_flight)
+        ):
+            start = None
+        pick = start or next((op for op in pending if op.kind == "compute"
+                              and all(n in issued for n in op.needs)), None)  # fmt: skip
         if pick is None:
             pick = graph.by_name[wait_of[in_flight[0].name]]
         if pick.kind == "start":
@@ -247,7 +253,8 @@ def run(graph: Graph, order, repeats: int = 5, max_in_flight: float = float("inf
     sleeping its seconds, each start as the kit's ring collective with ``async_op=True``
     on a buffer of its ``nbytes``, each wait as the handle's ``wait()``. Every rank must
     issue the same order: the kit pairs each rank's k-th collective with the others' k-th.
-    Returns the median step (``step``, s) and the last repeat's ``timeline``."""
+    Returns the median step (``step``, s), every repeat's (``steps``) and the last
+    repeat's ``timeline``."""
     validate(graph, order, max_in_flight)
     buffers = {op.name: torch.ones(max(1, op.nbytes // 4)) for op in graph.ops
                if op.kind == "start"}  # fmt: skip
