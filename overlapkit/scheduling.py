@@ -55,7 +55,7 @@ class Op:
     collective: str = ""  # a start's: "all_reduce" or "all_gather"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Graph:
     """A step's operations in program order (the order the code was written in: each
     collective waited for right after it was started, as eager code does)."""
@@ -64,8 +64,10 @@ class Graph:
     title: str = ""
 
     def __post_init__(self):
-        self.ops = tuple(self.ops)  # a scheduler copies what it takes from: list(graph.ops)
-        self.by_name = {op.name: op for op in self.ops}
+        # frozen, its ops a tuple: a scheduler works on a copy (list(graph.ops)), and the
+        # graph it was given stays whole for the next call
+        object.__setattr__(self, "ops", tuple(self.ops))
+        object.__setattr__(self, "by_name", {op.name: op for op in self.ops})
 
     def op(self, name: str) -> Op:
         return self.by_name[name]

@@ -56,7 +56,8 @@ def test_program_order_is_told_to_sink_its_waits():
 
     failed_with(ok.grading.check_latency_hiding_order(latency_hiding_order),
                 "'wait ar fc4' at order[2] stalls the compute stream",
-                "which does not need it, could run first: sink each wait")  # fmt: skip
+                "which does not need it, could run first: issue compute that does not need a "
+                "collective before waiting for it")  # fmt: skip
 
 
 def test_compute_before_starts_is_told_to_raise_the_starts():
@@ -86,7 +87,21 @@ def test_a_later_start_that_jumps_ahead_of_one_that_does_not_fit_yet_is_named():
 def test_a_limit_kept_with_less_than_instead_of_at_most_misses_the_step():
     strict = scheduler(fits=lambda held, op, limit: held + op.nbytes < limit)
     failed_with(ok.grading.check_latency_hiding_order(strict),
-                "fully sharded forward with a wide layer, 16 MiB in flight: step")  # fmt: skip
+                "fully sharded forward with a wide layer, 16 MiB in flight: step",
+                "It fitted there: 16 MiB in flight is at most the limit (<=, not <)")  # fmt: skip
+
+
+def test_a_collective_larger_than_the_limit_runs_alone_and_a_graph_cannot_be_rewritten():
+    def latency_hiding_order(graph, max_in_flight):
+        graph.ops = ()  # the graph stays whole for the next call
+        return []
+
+    failed_with(ok.grading.check_latency_hiding_order(latency_hiding_order),
+                "cannot assign to field 'ops'")  # fmt: skip
+    graph = ok.scheduling.fsdp_forward([("a", 0.01, 4 * 2**20), ("b", 0.01, 12 * 2**20)],
+                                       ok.Link(100, 0.25))  # fmt: skip
+    order = ok.scheduling.latency_hiding_order(graph, 8 * 2**20)
+    ok.scheduling.validate(graph, order, 8 * 2**20)  # 12 MiB alone, over the 8 MiB limit
 
 
 def test_an_order_chosen_by_one_ranks_own_timings_is_told_ranks_must_agree():

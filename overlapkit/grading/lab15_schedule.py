@@ -83,8 +83,8 @@ def cases() -> list[tuple[str, scheduling.Graph, float]]:
          scheduling.ddp_backward(layers, LINK, 2, 0.001), 2 * MiB),
         ("fully sharded forward, 5 layers, 4 MiB in flight",
          scheduling.fsdp_forward(sharded, LINK, 2), 4 * MiB),
-        ("fully sharded forward with a wide layer, 12 MiB in flight",
-         scheduling.fsdp_forward(WIDE, LINK, 2), 12 * MiB),
+        ("fully sharded forward with a wide layer, 8 MiB in flight",
+         scheduling.fsdp_forward(WIDE, LINK, 2), 8 * MiB),
         ("fully sharded forward with a wide layer, 16 MiB in flight",
          scheduling.fsdp_forward(WIDE, LINK, 2), 16 * MiB),
         ("a block with an independent branch", _branches(), inf),
@@ -150,7 +150,7 @@ def _judge(report: Report, what: str, graph, limit: float, order) -> bool:
                   f"waiting for the link; program order: {program.step * ms:.1f} ms)")  # fmt: skip
         return True
     report.fail(f"{what}: step {mine.step * ms:.1f} ms, where a latency-hiding order takes "
-                f"{best.step * ms:.1f} ms: " + _why(graph, order, mine))  # fmt: skip
+                f"{best.step * ms:.1f} ms: " + _why(graph, order, mine, limit))  # fmt: skip
     return False
 
 
@@ -165,7 +165,14 @@ def _depends(graph, name: str) -> set[str]:
     return seen
 
 
-def _why(graph, order: list[str], mine) -> str:
+def _held(graph, order: list[str], position: int) -> int:
+    """The bytes in flight just before ``order[position]``: started, not yet waited for."""
+    done = set(order[:position])
+    return sum(graph.op(n).nbytes for n in done
+               if graph.op(n).kind == "start" and _wait(graph, n) not in done)  # fmt: skip
+
+
+def _why(graph, order: list[str], mine, limit: float = float("inf")) -> str:
     """The first place the order loses time, in the learner's words."""
     at = {name: i for i, name in enumerate(order)}
     starts = [op.name for op in graph.ops if op.kind == "start"]  # in program order
@@ -184,10 +191,17 @@ def _why(graph, order: list[str], mine) -> str:
             if skipped:
                 since = (f"its input {order[ready]!r} is at order[{ready}]" if ready >= 0
                          else "it needs nothing")  # fmt: skip
+                # it fitted exactly, and the order never held exactly the limit: a "<"
+                exact = any(_held(graph, order, p) + op.nbytes == limit
+                            for p in range(ready + 1, i)) and all(
+                    _held(graph, order, p) < limit for p in range(len(order) + 1))  # fmt: skip
+                fits = (f" It fitted there: {limit / 2**20:g} MiB in flight is at most the "
+                        "limit (<=, not <)") if exact else ""  # fmt: skip
                 return (f"{name!r} is at order[{i}], but {since}: {skipped[0]!r} and the "
                         f"compute after it ran first, while the link could have carried "
                         f"{name.removeprefix('start ')!r}. Start each collective as soon as "
-                        "its inputs are issued")  # fmt: skip
+                        "its inputs are issued" + (f" and its bytes fit.{fits}" if exact
+                                                   else ""))  # fmt: skip
         if op.kind == "wait" and name in mine.stalls:
             start = op.needs[0]
             older = [n for n in order[: at[start]] if graph.op(n).kind == "start"
@@ -201,8 +215,10 @@ def _why(graph, order: list[str], mine) -> str:
             if free:
                 return (f"{name!r} at order[{i}] stalls the compute stream "
                         f"{mine.stalls[name] * 1e3:.1f} ms, while {free[0]!r} (order"
-                        f"[{at[free[0]]}]), which does not need it, could run first: sink each "
-                        "wait to just before the first operation that needs it")  # fmt: skip
+                        f"[{at[free[0]]}]), which does not need it, could run first: issue "
+                        "compute that does not need a collective before waiting for it (sink "
+                        "each wait, and what uses its result, as late as the graph "
+                        "allows)")  # fmt: skip
     return (
         "an order with less waiting exists: start each collective as soon as its "
         "inputs are issued, run compute that does not need a collective before "
