@@ -35,8 +35,8 @@ from . import collectives
 from .costmodel import collectives as cost
 from .spans import COMM, COMPUTE, Span
 from .timeline import Timeline
+from .training import emulate_compute
 
-KINDS = ("compute", "start", "wait")
 COLLECTIVES = {"all_reduce": cost.ring_all_reduce, "all_gather": cost.ring_all_gather}
 
 
@@ -68,6 +68,10 @@ class Graph:
         # graph it was given stays whole for the next call
         object.__setattr__(self, "ops", tuple(self.ops))
         object.__setattr__(self, "by_name", {op.name: op for op in self.ops})
+        # each start's wait
+        object.__setattr__(self, "wait_of", {n: op.name for op in self.ops if op.kind == "wait"
+                                             for n in op.needs
+                                             if self.by_name[n].kind == "start"})  # fmt: skip
 
     def op(self, name: str) -> Op:
         return self.by_name[name]
@@ -97,15 +101,6 @@ class Simulated:
     def exposed(self) -> float:
         """Seconds of the step in which the compute stream waited for the link."""
         return self.step - self.compute
-
-    def timeline(self) -> Timeline:
-        return Timeline(rank=0, spans=self.spans)
-
-
-def _wait_of(graph: Graph) -> dict[str, str]:
-    """Each start's wait."""
-    return {n: op.name for op in graph.ops if op.kind == "wait" for n in op.needs
-            if graph.by_name[n].kind == "start"}  # fmt: skip
 
 
 def validate(graph: Graph, order, max_in_flight: float = float("inf")) -> None:
@@ -185,7 +180,6 @@ def latency_hiding_order(graph: Graph, max_in_flight: float = float("inf")) -> l
     issued: set[str] = set()
     order: list[str] = []
     in_flight: list[Op] = []  # started, not yet waited for, oldest first
-    wait_of = _wait_of(graph)
     pending = list(graph.ops)
     while pending:
         held = sum(op.nbytes for op in in_flight)
@@ -198,7 +192,7 @@ def latency_hiding_order(graph: Graph, max_in_flight: float = float("inf")) -> l
         pick = start or next((op for op in pending if op.kind == "compute"
                               and all(n in issued for n in op.needs)), None)  # fmt: skip
         if pick is None:
-            pick = graph.by_name[wait_of[in_flight[0].name]]
+            pick = graph.by_name[graph.wait_of[in_flight[0].name]]
         if pick.kind == "start":
             in_flight.append(pick)
         elif pick.kind == "wait":
@@ -270,7 +264,7 @@ def run(graph: Graph, order, repeats: int = 5, max_in_flight: float = float("inf
             op = graph.by_name[name]
             if op.kind == "compute":
                 with timeline.span(name):
-                    _hold(op.seconds)
+                    emulate_compute(op.seconds)
             elif op.kind == "start":
                 handles[name] = _start(op, buffers[name])
             else:
@@ -288,14 +282,3 @@ def _start(op: Op, buffer: torch.Tensor):
         return collectives.ring_all_gather(buffer[: shard.numel() * world], shard,
                                            async_op=True)  # fmt: skip
     return collectives.ring_all_reduce(buffer, async_op=True)
-
-
-def _hold(seconds: float) -> None:
-    """Busy for ``seconds`` as a GPU kernel keeps its stream: asleep, so the rank's
-    communication worker has the cores (the last millisecond yields, as a plain sleep on
-    a busy machine wakes late)."""
-    deadline = time.perf_counter() + seconds
-    if seconds > 2e-3:
-        time.sleep(seconds - 1e-3)
-    while time.perf_counter() < deadline:
-        time.sleep(0)

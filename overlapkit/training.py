@@ -171,8 +171,9 @@ def _average_parameters(model, all_reduce) -> None:
     vector_to_parameters(_averaged(model, all_reduce), model.parameters())
 
 
-def _stretch(seconds: float) -> None:
-    """Be busy for ``seconds``: asleep but for the last millisecond, which is spent
+def emulate_compute(seconds: float) -> None:
+    """Be busy for ``seconds``, as a GPU kernel keeps its stream: asleep, so the rank's
+    communication worker has the cores, but for the last millisecond, which is spent
     yielding in a loop — a plain sleep on a busy VM wakes up to a millisecond late,
     which would make a "15% slower" rank 25% slower."""
     deadline = time.perf_counter() + seconds
@@ -266,7 +267,7 @@ def _compute(model, pool, step: int, micro: int, stretched: tuple, span, t0: flo
     for seconds, name in ((emulated, "emulated compute"), (total, "straggling")):
         if seconds > time.perf_counter() - t0:
             t1 = time.perf_counter()
-            _stretch(seconds - (t1 - t0))
+            emulate_compute(seconds - (t1 - t0))
             span(name, t1)
     return time.perf_counter() - t0
 

@@ -108,17 +108,17 @@ def check_latency_hiding_order(latency_hiding_order) -> Report:
     report = Report("latency_hiding_order")
     fn = seal(latency_hiding_order)  # called on a rank of its own, out of our reach
     quiet = Report(report.exercise, file=io.StringIO())
-    got = []
+    got, every = [], cases()
     with answers.running(answers_of("check_latency_hiding_order")) as ran:
         try:
-            for what, graph, limit in cases():
+            for what, graph, limit in every:
                 called, order = call_or_report(quiet, what, fn, graph, limit)
                 got.append((what, graph, limit, order if called else quiet.cases[-1][1]))
-            what, graph, limit = cases()[-1]
+            what, graph, limit = every[-1]
             other = call_or_report(quiet, f"{what}, rank 1's times", fn, _as_rank_1(graph), limit)
         except Unfinished:
             report.fail(quiet.cases[-1][1])
-            for what, *_ in cases()[len(got) + 1 :]:
+            for what, *_ in every[len(got) + 1 :]:
                 report.fail(not_reached(what))
             return report
     if ran:
@@ -169,7 +169,7 @@ def _held(graph, order: list[str], position: int) -> int:
     """The bytes in flight just before ``order[position]``: started, not yet waited for."""
     done = set(order[:position])
     return sum(graph.op(n).nbytes for n in done
-               if graph.op(n).kind == "start" and _wait(graph, n) not in done)  # fmt: skip
+               if graph.op(n).kind == "start" and graph.wait_of[n] not in done)  # fmt: skip
 
 
 def _why(graph, order: list[str], mine, limit: float = float("inf")) -> str:
@@ -205,7 +205,7 @@ def _why(graph, order: list[str], mine, limit: float = float("inf")) -> str:
         if op.kind == "wait" and name in mine.stalls:
             start = op.needs[0]
             older = [n for n in order[: at[start]] if graph.op(n).kind == "start"
-                     and at[_wait(graph, n)] > i]  # fmt: skip
+                     and at[graph.wait_of[n]] > i]  # fmt: skip
             if older:
                 return (f"{name!r} (order[{i}]) waits while {older[0]!r}, started before it, "
                         "is still in flight: on one link collectives finish in the order they "
@@ -224,10 +224,6 @@ def _why(graph, order: list[str], mine, limit: float = float("inf")) -> str:
         "inputs are issued, run compute that does not need a collective before "
         "waiting for it, and wait for the oldest collective first"
     )
-
-
-def _wait(graph, start: str) -> str:
-    return next(op.name for op in graph.ops if op.kind == "wait" and start in op.needs)
 
 
 def _judge_ranks(report: Report, first, other) -> None:
