@@ -377,7 +377,7 @@ def test_a_right_naive_all_reduce_passes():
                                        "x0 + x1 + x2: rank(s) [0] missing"),
         # both receives land in one buffer: whichever lands last wins, rank 1's or rank 2's
         ("one receive buffer for all", "missing. Every rank's values must be added exactly once"),
-        ("receive before sending", "did not finish within 10 s"),
+        ("receive before sending", "did not finish within 20 s"),
     ],
 )  # fmt: skip
 def test_each_typical_naive_mistake_is_named_by_the_check(mistake, expected):
@@ -385,7 +385,7 @@ def test_each_typical_naive_mistake_is_named_by_the_check(mistake, expected):
     report = ok.grading.check_all_reduce(_naive_mistake(mistake), world_sizes=(3,))
     ((passed, message),) = report.cases
     assert not passed and expected in message, message
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 30
 
 
 # ---------------------------------------------------------------- lab 01: RS + AG = AR
@@ -452,10 +452,10 @@ def test_blocking_sends_deadlock_in_the_check_as_on_a_real_transport_and_are_nam
     start = time.monotonic()
     report = ok.grading.check_all_reduce(blocking_send_then_recv, world_sizes=(2,))
     ((passed, message),) = report.cases
-    assert not passed and "did not finish within 10 s" in message
+    assert not passed and "did not finish within 20 s" in message
     assert "ok.p2p.send(flat[s[0] : s[1]], right)" in message  # the learner's line, not the kit's
     assert "Every rank is blocked in a send that waits for its receiver" in message
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < 30
 
 
 def test_a_neighbour_outside_the_world_is_an_error_at_once():

@@ -47,7 +47,9 @@ def test_sync_and_zero_staleness_are_the_same_algorithm():
 
 
 def test_the_straggler_sleeps_only_on_its_rank():
-    results = ok.launch(_run, "sync", 10, {"slow": {1: 1.5}}, world_size=2)
+    # 5× its usual compute: a step the suite's other processes slowed that much on every
+    # one of the 10 steps would leave nothing to sleep (1.5× once did, beside them)
+    results = ok.launch(_run, "sync", 10, {"slow": {1: 5.0}}, world_size=2)
     names = [{s.name for s in timeline.spans} for _, timeline in results]
     assert "straggling" not in names[0] and "straggling" in names[1]
 

@@ -54,7 +54,9 @@ WORLD_SIZES = (2, 3, 4)
 #: headers turn a send/receive size mismatch into an error instead of an abort, and a
 #: blocking send waits for its receiver (so send-before-receive deadlocks, as on gloo)
 CHECK_LINK = Link(latency_us=0, bandwidth_gbps=1000, rendezvous=True)
-TIMEOUT_S = 10.0
+#: a correct 4-rank ring takes 0.3 s here; 20 s, so that one the machine's other work slows
+#: 60-fold is not called hung (10 s once was not enough beside a test suite on 2 cores)
+TIMEOUT_S = 20.0
 
 
 def _sizes(world: int) -> list[int]:
