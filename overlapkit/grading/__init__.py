@@ -12,6 +12,7 @@ from .lab01_patterns import check_bytes_moved
 from .lab03_collectives import check_all_gather, check_all_reduce, check_reduce_scatter
 from .lab04_zero1 import check_memory_per_rank, check_zero1_step
 from .lab05_async import check_overlapped_step, check_timed_step
+from .lab05_streams import check_overlapped_backward
 from .lab06_ddp import check_hook_ddp
 from .lab07_buckets import check_assign_buckets, check_bucketed_ddp
 from .lab08_pipeline import check_1f1b_schedule, check_gpipe_step
@@ -44,6 +45,7 @@ __all__ = [
     "check_memory_per_rank",
     "check_overlapped_step",
     "check_timed_step",
+    "check_overlapped_backward",
     "check_hook_ddp",
     "check_assign_buckets",
     "check_bucketed_ddp",

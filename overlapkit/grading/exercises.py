@@ -52,6 +52,7 @@ EXERCISES: tuple[Exercise, ...] = (
              ("grading.lab04_zero1.memory_reference", "sharded.ShardedOptimizer"), light=True),
     Exercise("check_overlapped_step", 5, 3, (*_DDP, "training.train")),
     Exercise("check_timed_step", 5, 2),  # timed: a watch slows each Python call
+    Exercise("check_overlapped_backward", 5, 2, light=True),  # a simulated GPU's streams
     Exercise("check_hook_ddp", 6, 5, _DDP),
     Exercise("check_assign_buckets", 7, 3, ("costmodel.ddp_buckets",), light=True),
     Exercise("check_bucketed_ddp", 7, 5, (*_DDP, "costmodel.ddp_buckets")),

@@ -1,0 +1,177 @@
+"""Check for lab 05's streams exercise: ``overlapped_backward(gpu, layers)`` queues a
+data-parallel backward on a simulated GPU (:mod:`overlapkit.streams`), each gradient's
+all-reduce on a second stream, and is judged by what the device saw::
+
+    compute  │ backward 4 │ pack 4 │ backward 3 │ pack 3 │ … │ optimizer │
+                          e4 ─┐             e3 ─┐            ▲ waits for comm
+    comm                      │ all-reduce 4 │ unpack 4 │ all-reduce 3 │ …
+
+A case passes with no race and no reuse, every wire buffer freed, and the step as short
+as the overlapped order makes it. The ✘ line names the first thing wrong: which kernels
+of which streams touch one buffer unordered, the block the allocator gave away too early
+(``record_stream``), a wait inside the loop, a host that synchronized.
+"""
+
+from __future__ import annotations
+
+from .. import streams
+from .common import report_failure
+from .exercises import answers_of
+from .report import Report
+from .traffic import run_recorded
+
+#: the optimizer the check queues on the compute stream once the learner's step returned
+OPTIMIZER_MS = 1.0
+TIMEOUT_S = 30.0
+_EPS = 1e-6
+
+
+def _layers(spec) -> list[streams.Layer]:
+    return [streams.Layer(str(n), b, a, mib) for n, b, a, mib in spec]
+
+
+#: (what, layers in backward order: name, backward ms, all-reduce ms, MiB)
+CASES = (
+    ("4 layers, each all-reduce shorter than a backward",
+     _layers([(4, 3.0, 2.0, 8), (3, 3.0, 2.0, 8), (2, 3.0, 2.0, 8), (1, 3.0, 2.0, 8)])),
+    ("3 layers whose all-reduces outlast their backward",
+     _layers([(3, 1.0, 4.0, 16), (2, 1.0, 4.0, 16), (1, 1.0, 4.0, 16)])),
+    ("6 layers of two sizes",
+     _layers([(6, 2.0, 1.0, 4), (5, 4.0, 3.0, 12), (4, 2.0, 1.0, 4), (3, 4.0, 3.0, 12),
+              (2, 2.0, 1.0, 4), (1, 4.0, 3.0, 12)])),
+    ("1 layer", _layers([(1, 2.0, 3.0, 4)])),
+)  # fmt: skip
+
+
+def _run_step(fn, layers) -> dict:
+    """On the check's rank: the learner's step, then the optimizer on the compute stream
+    (it reads every gradient); what the device saw, as plain data."""
+    gpu = streams.Device()
+    compute = gpu.current_stream()
+    fn(gpu, list(layers))
+    grads = [b for b in gpu.buffers if b.name.startswith("grad ")]
+    with gpu.stream(compute):
+        gpu.run("optimizer", OPTIMIZER_MS, reads=grads)
+    wires = [b for b in gpu.buffers if b.name.startswith("wire ")]
+    return {
+        "kernels": [(k.name, k.stream.name, k.start, k.end) for k in gpu.kernels],
+        "hazards": gpu.hazards(),
+        "unfreed": [b.name for b in wires if not b.freed],
+        "recorded": {b.name: [s.name for s in b.recorded] for b in wires},
+        "allocated_on": {b.name: b.stream.name for b in wires},
+        "host": gpu.host,
+    }
+
+
+def overlapped_ms(layers) -> float:
+    """The step when each all-reduce starts once its wire is packed and the previous one is
+    done, and the optimizer once both streams are."""
+    compute = comm = 0.0
+    for layer in layers:
+        compute += layer.backward_ms + streams.PACK_MS
+        comm = max(comm, compute) + layer.all_reduce_ms + streams.PACK_MS
+    return max(compute, comm) + OPTIMIZER_MS
+
+
+def serial_ms(layers) -> float:
+    kernels = sum(x.backward_ms + x.all_reduce_ms + 2 * streams.PACK_MS for x in layers)
+    return kernels + OPTIMIZER_MS
+
+
+def check_overlapped_backward(overlapped_backward) -> Report:
+    """Check ``overlapped_backward(gpu, layers)`` on four backward passes of a simulated GPU."""
+    report = Report("overlapped_backward")
+    for what, layers in CASES:
+        try:
+            ((seen, _),) = run_recorded(_run_step, overlapped_backward, layers, world_size=1,
+                                        timeout=TIMEOUT_S,
+                                        forbid=answers_of("check_overlapped_backward"))  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - one ✘ line, then stop
+            if isinstance(exc, NotImplementedError):
+                report.fail(f"{what}: not implemented yet (still raises NotImplementedError)")
+            else:
+                report_failure(report, what, exc, TIMEOUT_S)
+            return report
+        problem = _problem(seen, layers)
+        if problem:
+            report.fail(f"{what}: {problem}")
+            return report  # one clear reason at a time
+        step = max(end for *_, end in seen["kernels"])
+        report.ok(f"{what}: step {step:.1f} ms (one stream: {serial_ms(layers):.1f} ms), "
+                  "no race, no reuse, every wire freed")  # fmt: skip
+    return report
+
+
+def _problem(seen: dict, layers) -> str:
+    kernels = seen["kernels"]
+    if seen["hazards"]:
+        first = seen["hazards"][0]
+        return f"{first}. {_hint(first, seen)}"
+    if seen["unfreed"]:
+        return (f"{', '.join(seen['unfreed'])} never freed: in PyTorch a wire goes when its "
+                "last reference does, at the loop's next turn; free it (wire.free()) once its "
+                "kernels are queued")  # fmt: skip
+    if len({stream for _, stream, *_ in kernels}) == 1:
+        return (f"every kernel ran on the compute stream, one after another "
+                f"({serial_ms(layers):.1f} ms): queue each all-reduce and unpack on a second "
+                "stream (gpu.Stream()), inside `with gpu.stream(comm):`")  # fmt: skip
+    step, best = max(end for *_, end in kernels), overlapped_ms(layers)
+    if step <= best + _EPS:
+        return ""
+    return f"step {step:.1f} ms, where the overlapped step takes {best:.1f} ms: " + _late(seen)
+
+
+def _hint(hazard: str, seen: dict) -> str:
+    if hazard.startswith("reuse"):
+        wire = hazard.split(" got the memory of ", 1)[1].split(",", 1)[0]
+        streams_named = seen["recorded"].get(wire, [])
+        if not streams_named:
+            return (f"Tell the allocator which other stream uses {wire} before you free "
+                    "it: wire.record_stream(comm)")  # fmt: skip
+        own = seen["allocated_on"][wire]
+        return (f"{wire} was recorded for {', '.join(streams_named)}"
+                + (", the stream it was allocated on, which the allocator waits for anyway"
+                   if set(streams_named) == {own} else "")
+                + ": name the stream whose kernels use it after the free "
+                "(wire.record_stream(comm))")  # fmt: skip
+    if "'optimizer'" in hazard:
+        return ("The optimizer (the check queues it on the compute stream once your function "
+                "returns) reads every gradient: before you return, make the compute stream "
+                "wait for the communication stream (compute.wait_stream(comm))")  # fmt: skip
+    if "'pack " in hazard and "'all-reduce " in hazard:
+        return ("The all-reduce must start after the pack wrote the wire: record an event on "
+                "the compute stream after layer.pack(...) is queued, and make the "
+                "communication stream wait for it (comm.wait_event(event))")  # fmt: skip
+    return ("Order the two streams with an event: record it on the stream that goes first, "
+            "after its kernel is queued; wait for it on the other")  # fmt: skip
+
+
+def _late(seen: dict) -> str:
+    """Why the step is longer than the overlapped one: the first kernel that started later
+    than its own stream and the work it needs allowed."""
+    if seen["host"] > _EPS:
+        return (f"the host waited (synchronize) until {seen['host']:.1f} ms, and kernels "
+                "queued after that could not start before it: let the streams order the "
+                "work, never the host")  # fmt: skip
+    moved = [n for n, s, *_ in seen["kernels"] if n.startswith("pack ") and s != "compute"]
+    if moved:
+        return (f"{moved[0]!r} ran on the communication stream: where the all-reduces are the "
+                "longer chain, every kernel added to their stream lengthens the step; queue "
+                "the pack on the compute stream and order the all-reduce after it with an "
+                "event")  # fmt: skip
+    ends: dict[str, float] = {}
+    for name, stream, start, end in seen["kernels"]:
+        idle = start - ends.get(stream, 0.0)
+        if name.startswith("backward ") and idle > _EPS:
+            return (f"{name!r} started at {start:.1f} ms, {idle:.1f} ms after the compute "
+                    "stream's previous kernel: the compute stream waited for communication "
+                    "inside the loop; wait for it once, after the last layer")  # fmt: skip
+        if name.startswith("all-reduce "):
+            packed = next((e for n, _, _, e in seen["kernels"] if n == "pack " + name[11:]), 0.0)
+            ready = max(packed, ends.get(stream, 0.0))
+            if start - ready > _EPS:
+                return (f"{name!r} started at {start:.1f} ms though its wire was packed at "
+                        f"{packed:.1f} ms and its stream was free: it waited for an event "
+                        "recorded later than needed (record it right after the pack)")  # fmt: skip
+        ends[stream] = end
+    return "some kernel waited longer than the work it needs"

@@ -1,0 +1,128 @@
+"""ok.streams: a simulated GPU orders kernels as CUDA does and names races and early reuse."""
+
+import pytest
+
+from overlapkit import streams
+
+
+def test_kernels_of_one_stream_run_in_order_and_two_streams_run_at_once():
+    gpu = streams.Device()
+    side = gpu.Stream("side")
+    a = gpu.run("a", 2.0)
+    with gpu.stream(side):
+        b = gpu.run("b", 3.0)
+    c = gpu.run("c", 1.0)
+    assert (a.start, a.end, b.start, b.end, c.start, c.end) == (0, 2, 0, 3, 2, 3)
+    assert gpu.step_ms() == 3.0
+
+
+def test_an_event_makes_the_waiting_stream_start_after_the_marked_point():
+    gpu = streams.Device()
+    compute, side = gpu.current_stream(), gpu.Stream("side")
+    x = gpu.empty(1, "x")
+    w = gpu.run("write x", 2.0, writes=[x])
+    done = gpu.Event()
+    done.record(compute)
+    gpu.run("later", 5.0)  # queued after the record: not waited for
+    side.wait_event(done)
+    with gpu.stream(side):
+        r = gpu.run("read x", 1.0, reads=[x])
+    assert r.start == w.end == 2.0 and r.after(w)
+    assert gpu.hazards() == []
+
+
+def test_a_read_on_another_stream_without_an_event_is_a_race():
+    gpu = streams.Device()
+    side = gpu.Stream("side")
+    x = gpu.empty(1, "x")
+    gpu.run("write x", 2.0, writes=[x])
+    with gpu.stream(side):
+        gpu.run("read x", 1.0, reads=[x])
+    assert gpu.hazards() == [
+        "race: 'read x' on stream side reads x while 'write x' on stream compute may still "
+        "be running and writes it: no event orders them"
+    ]
+
+
+def test_two_reads_on_two_streams_are_no_race():
+    gpu = streams.Device()
+    side = gpu.Stream("side")
+    x = gpu.empty(1, "x")
+    gpu.run("read x", 2.0, reads=[x])
+    with gpu.stream(side):
+        gpu.run("read x too", 1.0, reads=[x])
+    assert gpu.hazards() == []
+
+
+def _handed_to_side(record: bool):
+    """A buffer made on compute, read on side, freed by the host, then another allocated."""
+    gpu = streams.Device()
+    compute, side = gpu.current_stream(), gpu.Stream("side")
+    old = gpu.empty(4, "old")
+    gpu.run("fill old", 1.0, writes=[old])
+    side.wait_stream(compute)
+    with gpu.stream(side):
+        gpu.run("send old", 5.0, reads=[old])
+    if record:
+        old.record_stream(side)
+    old.free()
+    new = gpu.empty(4, "new")
+    gpu.run("fill new", 1.0, writes=[new])
+    return gpu, old, new
+
+
+def test_a_freed_block_goes_to_the_next_buffer_of_its_stream_and_that_is_a_reuse_hazard():
+    gpu, old, new = _handed_to_side(record=False)
+    assert new.block == old.block
+    assert gpu.hazards() == [
+        "reuse: new got the memory of old, freed while 'send old' on stream side may still "
+        "be running and reads it; 'fill new' on stream compute writes it"
+    ]
+
+
+def test_record_stream_keeps_the_block_from_reuse_until_that_stream_ran():
+    gpu, old, new = _handed_to_side(record=True)
+    assert new.block != old.block and gpu.hazards() == []
+    gpu.synchronize()  # the host saw the side stream finish: the block is free again
+    again = gpu.empty(4, "again")
+    assert again.block == old.block
+
+
+def test_after_the_host_synchronized_whatever_it_queues_comes_after():
+    gpu = streams.Device()
+    side = gpu.Stream("side")
+    x = gpu.empty(1, "x")
+    with gpu.stream(side):
+        gpu.run("write x", 3.0, writes=[x])
+    gpu.synchronize()
+    r = gpu.run("read x", 1.0, reads=[x])
+    assert r.start == 3.0 and gpu.hazards() == []
+
+
+def test_misuse_is_an_error_naming_the_buffer():
+    gpu = streams.Device()
+    x = gpu.empty(1, "x")
+    x.free()
+    with pytest.raises(RuntimeError, match="kernel 'k': x was freed already"):
+        gpu.run("k", 1.0, reads=[x])
+    with pytest.raises(TypeError, match="not a buffer of this device"):
+        gpu.run("k", 1.0, reads=["x"])
+    with pytest.raises(TypeError, match="needs its stream"):
+        gpu.Event().record()
+    with pytest.raises(TypeError, match="a stream of this device"):
+        with gpu.stream(streams.Device().current_stream()):
+            pass
+
+
+def test_a_layer_queues_backward_pack_all_reduce_and_unpack_on_the_current_stream():
+    gpu = streams.Device()
+    layer = streams.Layer("1", 3.0, 2.0, 8)
+    grad = layer.backward(gpu)
+    wire = layer.pack(gpu, grad)
+    layer.all_reduce(gpu, wire, grad)
+    assert [k.name for k in gpu.kernels] == ["backward 1", "pack 1", "all-reduce 1", "unpack 1"]
+    assert (grad.mib, wire.mib) == (8, 4)
+    assert gpu.step_ms() == pytest.approx(3.0 + 2.0 + 2 * streams.PACK_MS)
+    tl = gpu.timeline()
+    assert [(s.name, s.lane) for s in tl.spans][:2] == [("backward 1", "compute"),
+                                                        ("pack 1", "compute")]  # fmt: skip
