@@ -88,7 +88,8 @@ def test_a_limit_kept_with_less_than_instead_of_at_most_misses_the_step():
     strict = scheduler(fits=lambda held, op, limit: held + op.nbytes < limit)
     failed_with(ok.grading.check_latency_hiding_order(strict),
                 "fully sharded forward with a wide layer, 16 MiB in flight: step",
-                "It fitted there: 16 MiB in flight is at most the limit (<=, not <)")  # fmt: skip
+                "It fitted there: 16 MiB in flight is at most the limit",
+                "(<=, not <; and only collectives started and not yet waited for")  # fmt: skip
 
 
 def test_a_collective_larger_than_the_limit_runs_alone_and_a_graph_cannot_be_rewritten():
@@ -128,3 +129,28 @@ def test_an_order_that_cannot_run_is_named(body, words):
     namespace = {}
     exec(f"def latency_hiding_order(graph, max_in_flight):\n    {body}\n", namespace)
     failed_with(ok.grading.check_latency_hiding_order(namespace["latency_hiding_order"]), words)
+
+
+def test_two_different_orders_for_one_graph_are_named():
+    from overlapkit.grading.lab15_schedule import _judge_repeat
+
+    report = ok.grading.Report("latency_hiding_order")
+    first, second = ["a", "b", "c"], ["a", "c", "b"]
+    _judge_repeat(report, [("the case", None, None, first)], [(True, second)])
+    failed_with(report, "the case: asked twice for the same graph, your function returned two "
+                        "orders (order[1] is 'b', then 'c')", "no random pick")  # fmt: skip
+    same = ok.grading.Report("latency_hiding_order")
+    _judge_repeat(same, [("the case", None, None, first)], [(True, list(first))])
+    assert same.cases == []
+
+
+def test_a_call_that_never_returns_is_told_a_large_collective_runs_alone():
+    def latency_hiding_order(graph, max_in_flight):
+        # as the check's call limit words it when a scheduler loops for 60 s
+        raise TimeoutError("latency_hiding_order() did not return within 60 s")
+
+    failed_with(
+        ok.grading.check_latency_hiding_order(latency_hiding_order),
+        "did not return within 60 s",
+        "a collective larger than the limit runs alone",
+    )

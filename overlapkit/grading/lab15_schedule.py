@@ -116,6 +116,9 @@ def check_latency_hiding_order(latency_hiding_order) -> Report:
                 got.append((what, graph, limit, order if called else quiet.cases[-1][1]))
             what, graph, limit = every[-1]
             other = call_or_report(quiet, f"{what}, rank 1's times", fn, _as_rank_1(graph), limit)
+            # the same graph again: an order that changes from call to call (a set's order,
+            # a random pick among ready operations) would differ between ranks too
+            again = [call_or_report(quiet, f"{w}, again", fn, g, m) for w, g, m in every]
         except Unfinished:
             report.fail(quiet.cases[-1][1])
             for what, *_ in every[len(got) + 1 :]:
@@ -126,12 +129,34 @@ def check_latency_hiding_order(latency_hiding_order) -> Report:
         return report
     for what, graph, limit, order in got:
         if isinstance(order, str) and order.startswith(what):  # its call raised: the ✘ line
-            report.fail(order)
+            report.fail(order + (_LOOPS if "did not return within" in order else ""))
         else:
             _judge(report, what, graph, limit, order)
     if isinstance(got[-1][3], list):  # an order came back for the two heads
         _judge_ranks(report, got[-1], other[1] if other[0] else None)
+    _judge_repeat(report, got, again)
     return report
+
+
+#: after a call that did not return: the likeliest loop in a list scheduler
+_LOOPS = (
+    " — a scheduler that never returns is often waiting for bytes to fit that never "
+    "will: a collective larger than the limit runs alone, once nothing is in flight"
+)
+
+
+def _judge_repeat(report: Report, got: list, again: list) -> None:
+    """Each case's order, asked for twice, must be the same: every rank computes it."""
+    for (what, _, _, first), (called, second) in zip(got, again, strict=True):
+        if called and isinstance(first, list) and isinstance(second, list) and first != second:
+            k = next((k for k, (a, b) in enumerate(zip(first, second, strict=False)) if a != b),
+                     min(len(first), len(second)))  # fmt: skip
+            report.fail(f"{what}: asked twice for the same graph, your function returned two "
+                        f"orders (order[{k}] is {first[k] if k < len(first) else None!r}, then "
+                        f"{second[k] if k < len(second) else None!r}): every rank runs it, and "
+                        "ranks must start the same collectives in the same order. Choose by "
+                        "the graph alone: no set's order, no random pick")  # fmt: skip
+            return
 
 
 def _judge(report: Report, what: str, graph, limit: float, order) -> bool:
@@ -196,7 +221,8 @@ def _why(graph, order: list[str], mine, limit: float = float("inf")) -> str:
                             for p in range(ready + 1, i)) and all(
                     _held(graph, order, p) < limit for p in range(len(order) + 1))  # fmt: skip
                 fits = (f" It fitted there: {limit / 2**20:g} MiB in flight is at most the "
-                        "limit (<=, not <)") if exact else ""  # fmt: skip
+                        "limit (<=, not <; and only collectives started and not yet waited "
+                        "for hold bytes)") if exact else ""  # fmt: skip
                 return (f"{name!r} is at order[{i}], but {since}: {skipped[0]!r} and the "
                         f"compute after it ran first, while the link could have carried "
                         f"{name.removeprefix('start ')!r}. Start each collective as soon as "
