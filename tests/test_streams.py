@@ -31,27 +31,27 @@ def test_an_event_makes_the_waiting_stream_start_after_the_marked_point():
     assert gpu.hazards() == []
 
 
-def test_a_read_on_another_stream_without_an_event_is_a_race():
+def _unordered(first: str, second: str) -> list[str]:
+    """The hazards of x touched by a compute kernel (``first``: "reads" or "writes"), then by
+    a kernel of another stream (``second``), with no event between them."""
     gpu = streams.Device()
     side = gpu.Stream("side")
     x = gpu.empty(1, "x")
-    gpu.run("write x", 2.0, writes=[x])
+    gpu.run(f"{first} x", 2.0, **{first: [x]})
     with gpu.stream(side):
-        gpu.run("read x", 1.0, reads=[x])
-    assert gpu.hazards() == [
-        "race: 'read x' on stream side reads x while 'write x' on stream compute may still "
-        "be running and writes it: no event orders them"
+        gpu.run(f"{second} x too", 1.0, **{second: [x]})
+    return gpu.hazards()
+
+
+def test_a_read_on_another_stream_without_an_event_is_a_race():
+    assert _unordered("writes", "reads") == [
+        "race: 'reads x too' on stream side reads x while 'writes x' on stream compute may "
+        "still be running and writes it: no event orders them"
     ]
 
 
 def test_two_reads_on_two_streams_are_no_race():
-    gpu = streams.Device()
-    side = gpu.Stream("side")
-    x = gpu.empty(1, "x")
-    gpu.run("read x", 2.0, reads=[x])
-    with gpu.stream(side):
-        gpu.run("read x too", 1.0, reads=[x])
-    assert gpu.hazards() == []
+    assert _unordered("reads", "reads") == []
 
 
 def _handed_to_side(record: bool):
