@@ -22,7 +22,9 @@ Two mistakes go unreported on a real GPU (wrong numbers, now and then):
 ``torch.cuda``'s (``Stream``, ``Event``, ``stream(...)``, ``wait_event``, ``wait_stream``,
 ``record_stream``) and reports both mistakes, with each kernel's start and end on its
 stream. Kernels take the milliseconds they are given; two streams' kernels do not slow
-each other (on a GPU they share the SMs and memory bandwidth: a real step overlaps less).
+each other (on a GPU they share the SMs and memory bandwidth: a real step overlaps less),
+except the kernels that use the network link (``run(..., link=True)``, an all-reduce):
+there is one link, so those run one at a time, whichever stream queued them.
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ class Device:
         self.streams: list[Stream] = []
         self.kernels: list[Kernel] = []
         self.host = 0.0  # ms: the host's clock (queueing takes no time; synchronize waits)
+        self.link = 0.0  # ms: when the network link is free for the next all-reduce
         self._current = self.Stream("compute")
         self._blocks = itertools.count(1)
         self._pool: dict = {}  # (stream, MiB) -> free blocks, the latest freed last
@@ -183,15 +186,18 @@ class Device:
         self.buffers.append(Buffer(self, name, mib, block, stream))
         return self.buffers[-1]
 
-    def run(self, name: str, ms: float, reads=(), writes=()) -> Kernel:
-        """Queue a kernel of ``ms`` milliseconds on the current stream."""
+    def run(self, name: str, ms: float, reads=(), writes=(), link: bool = False) -> Kernel:
+        """Queue a kernel of ``ms`` milliseconds on the current stream; ``link``: it moves
+        bytes over the network link, which one kernel uses at a time."""
         for b in (*reads, *writes):
             self._alive(b, f"kernel {name!r}")
         s = self._current
         s.clock[s.number] += 1
-        start = max(s.ready, self.host)
+        start = max(s.ready, self.host, self.link if link else 0.0)
         k = Kernel(name, s, start, start + ms, tuple(reads), tuple(writes), dict(s.clock))
         s.ready = k.end
+        if link:
+            self.link = k.end
         self.kernels.append(k)
         for mode, buffers in (("reads", reads), ("writes", writes)):
             for b in buffers:
@@ -292,5 +298,7 @@ class Layer:
 
     def all_reduce(self, gpu: Device, wire: Buffer, grad: Buffer) -> None:
         """The all-reduce of ``wire`` in place (NCCL's kernel), then its sum back in ``grad``."""
-        gpu.run(f"all-reduce {self.name}", self.all_reduce_ms, reads=[wire], writes=[wire])
+        gpu.run(
+            f"all-reduce {self.name}", self.all_reduce_ms, reads=[wire], writes=[wire], link=True
+        )
         gpu.run(f"unpack {self.name}", PACK_MS, reads=[wire], writes=[grad])

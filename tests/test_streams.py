@@ -126,3 +126,14 @@ def test_a_layer_queues_backward_pack_all_reduce_and_unpack_on_the_current_strea
     tl = gpu.timeline()
     assert [(s.name, s.lane) for s in tl.spans][:2] == [("backward 1", "compute"),
                                                         ("pack 1", "compute")]  # fmt: skip
+
+
+def test_kernels_on_the_link_run_one_at_a_time_whichever_stream_queued_them():
+    gpu = streams.Device()
+    a, b = gpu.Stream("a"), gpu.Stream("b")
+    with gpu.stream(a):
+        first = gpu.run("all-reduce 1", 2.0, link=True)
+    with gpu.stream(b):
+        second = gpu.run("all-reduce 2", 2.0, link=True)
+        local = gpu.run("sum", 1.0)
+    assert (first.start, second.start, local.start) == (0.0, 2.0, 4.0)

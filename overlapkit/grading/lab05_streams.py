@@ -15,7 +15,8 @@ of which streams touch one buffer unordered, the block the allocator gave away t
 from __future__ import annotations
 
 from .. import streams
-from .common import report_failure
+from ..launcher import LaunchError
+from .common import _learner_line, report_failure
 from .exercises import answers_of
 from .report import Report
 from .traffic import run_recorded
@@ -55,6 +56,8 @@ def _run_step(fn, layers) -> dict:
     wires = [b for b in gpu.buffers if b.name.startswith("wire ")]
     return {
         "kernels": [(k.name, k.stream.name, k.start, k.end) for k in gpu.kernels],
+        "touched": [([b.name for b in k.reads], [b.name for b in k.writes]) for k in gpu.kernels],
+        "first": gpu.streams[0].name,
         "hazards": gpu.hazards(),
         "unfreed": [b.name for b in wires if not b.freed],
         "recorded": {b.name: [s.name for s in b.recorded] for b in wires},
@@ -89,8 +92,15 @@ def check_overlapped_backward(overlapped_backward) -> Report:
         except Exception as exc:  # noqa: BLE001 - one ✘ line, then stop
             if isinstance(exc, NotImplementedError):
                 report.fail(f"{what}: not implemented yet (still raises NotImplementedError)")
-            else:
+            elif isinstance(exc, LaunchError) or not hasattr(exc, "rank"):
                 report_failure(report, what, exc, TIMEOUT_S)
+            else:  # the learner's own exception, or the device's refusal
+                freed = "'optimizer'" in str(exc) and "freed already" in str(exc)
+                report.fail(f"{what}: your function raised {type(exc).__name__}: {exc}"
+                            f"{_learner_line(exc)}" + (
+                                ": the optimizer the check queues after your function reads "
+                                "every gradient; free the wires, not the gradients"
+                                if freed else ""))  # fmt: skip
             return report
         problem = _problem(seen, layers)
         if problem:
@@ -104,6 +114,9 @@ def check_overlapped_backward(overlapped_backward) -> Report:
 
 def _problem(seen: dict, layers) -> str:
     kernels = seen["kernels"]
+    wrong = _shape(seen, layers)
+    if wrong:
+        return wrong
     if seen["hazards"]:
         first = seen["hazards"][0]
         return f"{first}. {_hint(first, seen)}"
@@ -111,6 +124,11 @@ def _problem(seen: dict, layers) -> str:
         return (f"{', '.join(seen['unfreed'])} never freed: in PyTorch a wire goes when its "
                 "last reference does, at the loop's next turn; free it (wire.free()) once its "
                 "kernels are queued")  # fmt: skip
+    if seen["host"] > _EPS:
+        return (f"the host waited (gpu.synchronize()) until {seen['host']:.1f} ms: on a GPU "
+                "the host then stops queueing work ahead of the kernels, and kernels it "
+                "queues later cannot start before it; let the streams order the work (events, "
+                "wait_stream), never the host")  # fmt: skip
     if len({stream for _, stream, *_ in kernels}) == 1:
         return (f"every kernel ran on the compute stream, one after another "
                 f"({serial_ms(layers):.1f} ms): queue each all-reduce and unpack on a second "
@@ -119,6 +137,46 @@ def _problem(seen: dict, layers) -> str:
     if step <= best + _EPS:
         return ""
     return f"step {step:.1f} ms, where the overlapped step takes {best:.1f} ms: " + _late(seen)
+
+
+#: each layer's kernels, what each reads and writes, and the stream the exercise puts it on
+_KERNELS = (("backward", [], ["grad"], "compute"), ("pack", ["grad"], ["wire"], "compute"),
+            ("all-reduce", ["wire"], ["wire"], "yours"),
+            ("unpack", ["wire"], ["grad"], "yours"))  # fmt: skip
+
+
+def _shape(seen: dict, layers) -> str:
+    """Is every layer's step there, once, on its data, on its stream, in backward order?"""
+    names = [k[0] for k in seen["kernels"]]
+    where = {k[0]: k[1] for k in seen["kernels"]}
+    touched = dict(zip(names, seen["touched"], strict=True))
+    for layer in layers:
+        for kind, reads, writes, stream in _KERNELS:
+            name = f"{kind} {layer.name}"
+            count = names.count(name)
+            if count != 1:
+                times = "was never queued" if count == 0 else f"was queued {count} times"
+                return (f"{name!r} {times} on the device the check gave you: each layer's "
+                        f"{kind} runs once (layer.backward, layer.pack and layer.all_reduce "
+                        "for every layer of `layers`, on `gpu`)")  # fmt: skip
+            want = [[f"{r} {layer.name}" for r in reads], [f"{w} {layer.name}" for w in writes]]
+            if [list(t) for t in touched[name]] != want:
+                modes = zip(("reads", "writes"), touched[name], strict=True)
+                got = "; ".join(f"{mode} {', '.join(b) or 'nothing'}" for mode, b in modes)
+                return (f"{name!r} {got}, where it should read {', '.join(want[0]) or 'nothing'} "
+                        f"and write {', '.join(want[1])}: give each layer's calls that layer's "
+                        "own grad and wire")  # fmt: skip
+            if stream == "compute" and where[name] != seen["first"]:
+                return (f"{name!r} ran on stream {where[name]}: queue the backward and the pack "
+                        f"on the compute stream (gpu.current_stream() as the call began), the "
+                        "all-reduce and the unpack on your communication stream")  # fmt: skip
+    backwards = [n for n in names if n.startswith("backward ")]
+    expected = [f"backward {layer.name}" for layer in layers]
+    if backwards != expected:
+        return (f"the backwards were queued as {', '.join(backwards)}: backward reaches the "
+                f"layers in the order given ({', '.join(expected)}), each needing the gradient "
+                "of the one before")  # fmt: skip
+    return ""
 
 
 def _hint(hazard: str, seen: dict) -> str:
@@ -149,20 +207,10 @@ def _hint(hazard: str, seen: dict) -> str:
 def _late(seen: dict) -> str:
     """Why the step is longer than the overlapped one: the first kernel that started later
     than its own stream and the work it needs allowed."""
-    if seen["host"] > _EPS:
-        return (f"the host waited (synchronize) until {seen['host']:.1f} ms, and kernels "
-                "queued after that could not start before it: let the streams order the "
-                "work, never the host")  # fmt: skip
-    moved = [n for n, s, *_ in seen["kernels"] if n.startswith("pack ") and s != "compute"]
-    if moved:
-        return (f"{moved[0]!r} ran on the communication stream: where the all-reduces are the "
-                "longer chain, every kernel added to their stream lengthens the step; queue "
-                "the pack on the compute stream and order the all-reduce after it with an "
-                "event")  # fmt: skip
     ends: dict[str, float] = {}
     for name, stream, start, end in seen["kernels"]:
         idle = start - ends.get(stream, 0.0)
-        if name.startswith("backward ") and idle > _EPS:
+        if stream == seen["first"] and name != "optimizer" and idle > _EPS:
             return (f"{name!r} started at {start:.1f} ms, {idle:.1f} ms after the compute "
                     "stream's previous kernel: the compute stream waited for communication "
                     "inside the loop; wait for it once, after the last layer")  # fmt: skip
