@@ -12,9 +12,11 @@ race that "works" nine runs in ten is still wrong. The kit makes both show::
       │  works on its own copy                       │
 
 * **Writes**, always: a tensor's version counter (``t._version``, bumped by
-  every in-place op) is recorded when the op is issued and when it ends; a
-  change by anyone but the kit before ``wait()`` raises :class:`RaceError`
-  at ``wait()``, naming the tensor, the op and the line that started it.
+  every in-place op) is recorded when the op is issued, and the op writes
+  through aliases of the same memory (``t.data``) whose writes leave it alone;
+  so any change before ``wait()``, before or while the op runs, is someone
+  else's, and raises :class:`RaceError` at ``wait()``, naming the tensor, the
+  op and the line that started it.
   A slice of a larger buffer shares its counter with the rest of the buffer,
   so a write elsewhere in it (the next bucket's gradients) looks the same:
   slices are judged by the read guard below, by their content.
@@ -227,8 +229,8 @@ class Guard:
     """The guard of one asynchronous operation over ``tensors`` (``writes[i]``: the op
     writes ``tensors[i]``; otherwise it only reads it).
 
-    The op runs on :attr:`working` (the caller's tensors, or private copies under
-    :func:`debug_races`), calls :meth:`started` and :meth:`ended` on its worker,
+    The op runs on :attr:`working` (aliases of the caller's tensors, or private copies
+    under :func:`debug_races`), calls :meth:`started` on its worker,
     and the caller's ``wait()`` calls :meth:`settle`, which raises :class:`RaceError`.
     """
 
@@ -254,8 +256,8 @@ class Guard:
                     if written:
                         poison(t)
             self.copy_s = time.perf_counter() - began
-        else:
-            self.working = self.tensors
+        else:  # the caller's storage, through aliases whose writes leave its version alone
+            self.working = [t.data for t in self.tensors]
         with _lock:
             for t, written in self._rows():
                 entry = _entry(t, create=True)
@@ -307,16 +309,6 @@ class Guard:
                 entry = _entry(t)
                 if entry is not None and _whole(t):
                     self._changed(t, entry[0])
-
-    def ended(self) -> None:
-        """On the worker, as the op ends: the kit's own writes are the last ones seen."""
-        if self.private:
-            return
-        with _lock:
-            for t in self._watched:
-                entry = _entry(t)
-                if entry is not None:
-                    entry[0] = t._version
 
     def _private_changes(self) -> None:
         """Under :func:`debug_races`: whether the caller wrote a tensor while the op worked

@@ -463,10 +463,7 @@ def _run(name: str, fn, tensor: torch.Tensor, group, async_op: bool, check: bool
 
     def guarded():
         guard.started()
-        try:
-            return fn(*guard.working)
-        finally:
-            guard.ended()
+        return fn(*guard.working)
 
     return executor.issue(guarded, call, tensor.device, async_op, what, guard, written)
 

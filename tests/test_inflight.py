@@ -130,3 +130,28 @@ def _write_before_wait(where):
 def test_dividing_a_tensor_in_flight_is_a_race_every_time_whether_slice_or_buffer(where):
     for message in ok.launch(_write_before_wait, where, world_size=2):
         assert message is not None and "was changed while ring_all_reduce" in message
+
+
+def _zero_while_running(delay_s: float):
+    """The write race without the debug guard: the gradient zeroed ``delay_s`` after its
+    AllReduce was issued, when the communication worker has begun it."""
+    import time
+
+    grad = torch.ones(1 << 20)
+    handle = ok.ring_all_reduce(grad, async_op=True)
+    time.sleep(delay_s)
+    grad.zero_()
+    try:
+        handle.wait()
+    except ok.RaceError as race:
+        return str(race)
+    return None
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.01])
+def test_a_write_is_caught_whether_it_lands_before_the_op_began_or_while_it_runs(delay_s):
+    # 4 MiB over this link takes about 20 ms: 10 ms after the issue the ring is running,
+    # and its own writes (through aliases) must not hide the caller's
+    results = ok.launch(_zero_while_running, delay_s, world_size=2, link=ok.Link(100, 0.25))
+    for message in results:
+        assert message is not None and "was changed while ring_all_reduce" in message
