@@ -78,10 +78,9 @@ class Stream:
     def synchronize(self) -> None:
         """The host waits until this stream's queued kernels have run: whatever it queues
         next, on any stream, comes after them."""
-        self.device.host = max(self.device.host, self.ready)
-        for other in self.device.streams:
-            for s, n in self.clock.items():
-                other.clock[s] = max(other.clock.get(s, 0), n)
+        event = self.device.Event()
+        event.record(self)
+        event.synchronize()
 
     def __repr__(self) -> str:
         return f"<stream {self.name}>"
@@ -90,15 +89,25 @@ class Stream:
 class Event:
     """A point in a stream's queue (``torch.cuda.Event``)."""
 
-    def __init__(self):
+    def __init__(self, device: Device):
+        self.device = device
         self.clock: dict | None = None
         self.ms = 0.0
 
     def record(self, stream: Stream | None = None) -> None:
         """Mark the end of what is queued on ``stream`` (the current stream) so far."""
-        if stream is None:
-            raise TypeError("Event.record() needs its stream here: event.record(stream)")
+        stream = self.device.current_stream() if stream is None else stream
         self.clock, self.ms = dict(stream.clock), stream.ready
+
+    def synchronize(self) -> None:
+        """The host waits until the marked point has run: whatever it queues next, on any
+        stream, comes after it."""
+        if self.clock is None:
+            return
+        self.device.host = max(self.device.host, self.ms)
+        for other in self.device.streams:
+            for s, n in self.clock.items():
+                other.clock[s] = max(other.clock.get(s, 0), n)
 
 
 class Buffer:
@@ -154,7 +163,7 @@ class Device:
         return stream
 
     def Event(self) -> Event:  # noqa: N802 - torch.cuda's name
-        return Event()
+        return Event(self)
 
     def current_stream(self) -> Stream:
         return self._current

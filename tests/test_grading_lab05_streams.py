@@ -146,6 +146,47 @@ def test_a_step_that_is_not_every_layers_own_step_is_named(body, words):
     failed_with(ok.grading.check_overlapped_backward(_variant(body)), *words)
 
 
+def test_a_stream_kept_from_an_earlier_call_is_named():
+    kept = {}
+
+    def overlapped_backward(gpu, layers):
+        comm = kept.setdefault("comm", gpu.Stream("comm"))  # made once, "streams are costly"
+        compute = gpu.current_stream()
+        for layer in layers:
+            grad = layer.backward(gpu)
+            wire = layer.pack(gpu, grad)
+            comm.wait_stream(compute)
+            with gpu.stream(comm):
+                layer.all_reduce(gpu, wire, grad)
+            wire.record_stream(comm)
+            wire.free()
+        compute.wait_stream(comm)
+
+    failed_with(
+        ok.grading.check_overlapped_backward(overlapped_backward),
+        "a stream, event or buffer of another device",
+        "make them inside the function",
+    )
+
+
+def test_some_all_reduces_on_the_compute_stream_are_named():
+    def overlapped_backward(gpu, layers):
+        compute, comm = gpu.current_stream(), gpu.Stream("comm")
+        for i, layer in enumerate(layers):
+            grad = layer.backward(gpu)
+            wire = layer.pack(gpu, grad)
+            comm.wait_stream(compute)
+            with gpu.stream(comm if i == 0 else compute):
+                layer.all_reduce(gpu, wire, grad)
+            wire.record_stream(comm)
+            wire.free()
+        compute.wait_stream(comm)
+
+    failed_with(ok.grading.check_overlapped_backward(overlapped_backward),
+                "'all-reduce 3' ran on the compute stream: queue every all-reduce and unpack "
+                "on your communication stream")  # fmt: skip
+
+
 def test_layers_queued_out_of_backward_order_are_named():
     def reversed_backward(gpu, layers):
         step(**{})(gpu, list(reversed(layers)))

@@ -47,6 +47,7 @@ CASES = (
 def _run_step(fn, layers) -> dict:
     """On the check's rank: the learner's step, then the optimizer on the compute stream
     (it reads every gradient); what the device saw, as plain data."""
+    fn(streams.Device(), list(layers))  # a first device: what a call keeps must not leak
     gpu = streams.Device()
     compute = gpu.current_stream()
     fn(gpu, list(layers))
@@ -95,12 +96,10 @@ def check_overlapped_backward(overlapped_backward) -> Report:
             elif isinstance(exc, LaunchError) or not hasattr(exc, "rank"):
                 report_failure(report, what, exc, TIMEOUT_S)
             else:  # the learner's own exception, or the device's refusal
-                freed = "'optimizer'" in str(exc) and "freed already" in str(exc)
-                report.fail(f"{what}: your function raised {type(exc).__name__}: {exc}"
-                            f"{_learner_line(exc)}" + (
-                                ": the optimizer the check queues after your function reads "
-                                "every gradient; free the wires, not the gradients"
-                                if freed else ""))  # fmt: skip
+                report.fail(
+                    f"{what}: your function raised {type(exc).__name__}: {exc}"
+                    f"{_learner_line(exc)}{_explain(str(exc))}"
+                )
             return report
         problem = _problem(seen, layers)
         if problem:
@@ -139,6 +138,17 @@ def _problem(seen: dict, layers) -> str:
     return f"step {step:.1f} ms, where the overlapped step takes {best:.1f} ms: " + _late(seen)
 
 
+def _explain(text: str) -> str:
+    if "'optimizer'" in text and "freed already" in text:
+        return (": the optimizer the check queues after your function reads every gradient; "
+                "free the wires, not the gradients")  # fmt: skip
+    if "of this device" in text:
+        return (": a stream, event or buffer of another device — one your function kept from "
+                "an earlier call (the check calls it once per case, on a fresh device): make "
+                "them inside the function, from the gpu it is given")  # fmt: skip
+    return ""
+
+
 #: each layer's kernels, what each reads and writes, and the stream the exercise puts it on
 _KERNELS = (("backward", [], ["grad"], "compute"), ("pack", ["grad"], ["wire"], "compute"),
             ("all-reduce", ["wire"], ["wire"], "yours"),
@@ -170,6 +180,10 @@ def _shape(seen: dict, layers) -> str:
                 return (f"{name!r} ran on stream {where[name]}: queue the backward and the pack "
                         f"on the compute stream (gpu.current_stream() as the call began), the "
                         "all-reduce and the unpack on your communication stream")  # fmt: skip
+            mixed = len(set(where.values())) > 1  # (one stream for all: said below)
+            if stream == "yours" and where[name] == seen["first"] and mixed:
+                return (f"{name!r} ran on the compute stream: queue every all-reduce and "
+                        "unpack on your communication stream (gpu.stream(comm))")  # fmt: skip
     backwards = [n for n in names if n.startswith("backward ")]
     expected = [f"backward {layer.name}" for layer in layers]
     if backwards != expected:
