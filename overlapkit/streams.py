@@ -63,6 +63,9 @@ class Stream:
 
     def wait_event(self, event: Event) -> None:
         """Kernels queued on this stream from now on run after what ``event`` marks."""
+        if not isinstance(event, Event):
+            raise TypeError(f"wait_event() takes an event (gpu.Event()), got {event!r}; to "
+                            "wait for all a stream has queued: wait_stream(stream)")  # fmt: skip
         if event.clock is None:  # as CUDA: an event never recorded is no wait
             return
         for s, n in event.clock.items():
@@ -71,6 +74,7 @@ class Stream:
 
     def wait_stream(self, other: Stream) -> None:
         """Kernels queued on this stream from now on run after all queued on ``other``."""
+        self.device._mine(other, "wait_stream()")
         event = self.device.Event()
         event.record(other)
         self.wait_event(event)
@@ -97,6 +101,7 @@ class Event:
     def record(self, stream: Stream | None = None) -> None:
         """Mark the end of what is queued on ``stream`` (the current stream) so far."""
         stream = self.device.current_stream() if stream is None else stream
+        self.device._mine(stream, "Event.record()")
         self.clock, self.ms = dict(stream.clock), stream.ready
 
     def synchronize(self) -> None:
@@ -105,9 +110,7 @@ class Event:
         if self.clock is None:
             return
         self.device.host = max(self.device.host, self.ms)
-        for other in self.device.streams:
-            for s, n in self.clock.items():
-                other.clock[s] = max(other.clock.get(s, 0), n)
+        self.device._seen_by_host(self.clock)
 
 
 class Buffer:
@@ -124,8 +127,7 @@ class Buffer:
         """Tell the allocator that ``stream`` uses this buffer: once freed, its block is
         not reused before ``stream``'s work queued until then has run."""
         self.device._alive(self, "record_stream")
-        if not isinstance(stream, Stream) or stream.device is not self.device:
-            raise TypeError(f"record_stream() takes a stream of this device, got {stream!r}")
+        self.device._mine(stream, "record_stream()")
         self.recorded.append(stream)
         if stream is not self.stream:
             self.used_on.add(stream)
@@ -171,8 +173,7 @@ class Device:
     @contextlib.contextmanager
     def stream(self, stream: Stream):
         """Kernels and buffers inside the block go to ``stream`` (``torch.cuda.stream``)."""
-        if not isinstance(stream, Stream) or stream.device is not self:
-            raise TypeError(f"gpu.stream() takes a stream of this device, got {stream!r}")
+        self._mine(stream, "gpu.stream()")
         before, self._current = self._current, stream
         try:
             yield stream
@@ -246,10 +247,26 @@ class Device:
             tl.add(k.name, k.start / 1e3, k.end / 1e3, lane=k.stream.name)
         return tl
 
-    # ---- the caching allocator
+    # ---- the caching allocator, and what the API is given
+    def _mine(self, stream, what: str) -> None:
+        if not isinstance(stream, Stream):
+            raise TypeError(f"{what} takes a stream (gpu.Stream() or gpu.current_stream()), "
+                            f"got {stream!r}")  # fmt: skip
+        if stream.device is not self:
+            raise TypeError(f"{what}: {stream!r} is a stream of another device")
+
+    def _seen_by_host(self, clock: dict) -> None:
+        """The host saw the work ``clock`` marks done: whatever it queues next, on any
+        stream, comes after that work."""
+        for other in self.streams:
+            for s, n in clock.items():
+                other.clock[s] = max(other.clock.get(s, 0), n)
+
     def _alive(self, buffer, what: str) -> None:
-        if not isinstance(buffer, Buffer) or buffer.device is not self:
-            raise TypeError(f"{what}: {buffer!r} is not a buffer of this device (gpu.empty)")
+        if isinstance(buffer, Buffer) and buffer.device is not self:
+            raise TypeError(f"{what}: {buffer!r} is a buffer of another device")
+        if not isinstance(buffer, Buffer):
+            raise TypeError(f"{what}: {buffer!r} is not a buffer (gpu.empty)")
         if buffer.freed:
             raise RuntimeError(f"{what}: {buffer.name} was freed already")
 
@@ -267,7 +284,8 @@ class Device:
         still = []
         for buffer, marks in self._held:
             done = all(self._ran_by_host(s, n) for s, n in marks.items())
-            if done:
+            if done:  # the allocator saw the events complete: what comes next is after them
+                self._seen_by_host({s.number: n for s, n in marks.items()})
                 self._pool.setdefault((buffer.stream, buffer.mib), []).append(buffer.block)
             else:
                 still.append((buffer, marks))

@@ -105,11 +105,18 @@ def test_misuse_is_an_error_naming_the_buffer():
     x.free()
     with pytest.raises(RuntimeError, match="kernel 'k': x was freed already"):
         gpu.run("k", 1.0, reads=[x])
-    with pytest.raises(TypeError, match="not a buffer of this device"):
+    with pytest.raises(TypeError, match="'x' is not a buffer"):
         gpu.run("k", 1.0, reads=["x"])
-    with pytest.raises(TypeError, match="a stream of this device"):
+    with pytest.raises(TypeError, match="<stream compute> is a stream of another device"):
         with gpu.stream(streams.Device().current_stream()):
             pass
+    with pytest.raises(TypeError, match=r"gpu.stream\(\) takes a stream .*got 'comm'"):
+        with gpu.stream("comm"):
+            pass
+    with pytest.raises(TypeError, match="wait_event\\(\\) takes an event"):
+        gpu.current_stream().wait_event(gpu.current_stream())
+    with pytest.raises(TypeError, match="wait_stream\\(\\) takes a stream"):
+        gpu.current_stream().wait_stream(gpu.Event())
 
 
 def test_a_layer_queues_backward_pack_all_reduce_and_unpack_on_the_current_stream():
@@ -148,3 +155,19 @@ def test_an_event_records_the_current_stream_by_default_and_its_synchronize_orde
     done.synchronize()
     r = gpu.run("read x", 1.0, reads=[x])
     assert (gpu.host, r.start) == (3.0, 3.0) and gpu.hazards() == []
+
+
+def test_a_block_the_allocator_saw_finished_orders_what_the_host_queues_after_it():
+    gpu = streams.Device()
+    compute, side = gpu.current_stream(), gpu.Stream("side")
+    old = gpu.empty(4, "old")
+    side.wait_stream(compute)
+    with gpu.stream(side):
+        gpu.run("send old", 2.0, reads=[old])
+    old.record_stream(side)
+    old.free()
+    gpu.run("busy", 5.0)
+    compute.synchronize()  # by then the send is done: the allocator's event says so
+    new = gpu.empty(4, "new")
+    gpu.run("fill new", 1.0, writes=[new])
+    assert new.block == old.block and gpu.hazards() == []

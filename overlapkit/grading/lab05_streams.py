@@ -15,7 +15,7 @@ of which streams touch one buffer unordered, the block the allocator gave away t
 from __future__ import annotations
 
 from .. import streams
-from ..launcher import LaunchError
+from ..launcher import LaunchError, LaunchTimeoutError
 from .common import _learner_line, report_failure
 from .exercises import answers_of
 from .report import Report
@@ -93,6 +93,9 @@ def check_overlapped_backward(overlapped_backward) -> Report:
         except Exception as exc:  # noqa: BLE001 - one ✘ line, then stop
             if isinstance(exc, NotImplementedError):
                 report.fail(f"{what}: not implemented yet (still raises NotImplementedError)")
+            elif isinstance(exc, LaunchTimeoutError):
+                report.fail(f"{what}: your function did not return within {TIMEOUT_S:g} s "
+                            "(a loop that never ends, or a long sleep?)")  # fmt: skip
             elif isinstance(exc, LaunchError) or not hasattr(exc, "rank"):
                 report_failure(report, what, exc, TIMEOUT_S)
             else:  # the learner's own exception, or the device's refusal
@@ -124,7 +127,7 @@ def _problem(seen: dict, layers) -> str:
                 "last reference does, at the loop's next turn; free it (wire.free()) once its "
                 "kernels are queued")  # fmt: skip
     if seen["host"] > _EPS:
-        return (f"the host waited (gpu.synchronize()) until {seen['host']:.1f} ms: on a GPU "
+        return (f"the host waited (a synchronize()) until {seen['host']:.1f} ms: on a GPU "
                 "the host then stops queueing work ahead of the kernels, and kernels it "
                 "queues later cannot start before it; let the streams order the work (events, "
                 "wait_stream), never the host")  # fmt: skip
@@ -142,7 +145,7 @@ def _explain(text: str) -> str:
     if "'optimizer'" in text and "freed already" in text:
         return (": the optimizer the check queues after your function reads every gradient; "
                 "free the wires, not the gradients")  # fmt: skip
-    if "of this device" in text:
+    if "of another device" in text:
         return (": a stream, event or buffer of another device — one your function kept from "
                 "an earlier call (the check calls it once per case, on a fresh device): make "
                 "them inside the function, from the gpu it is given")  # fmt: skip
