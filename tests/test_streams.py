@@ -88,12 +88,18 @@ def test_record_stream_keeps_the_block_from_reuse_until_that_stream_ran():
     assert again.block == old.block
 
 
-def test_after_the_host_synchronized_whatever_it_queues_comes_after():
+def _written_on_a_side_stream():
+    """A device whose side stream writes x for 3 ms: (the device, x)."""
     gpu = streams.Device()
     side = gpu.Stream("side")
     x = gpu.empty(1, "x")
     with gpu.stream(side):
         gpu.run("write x", 3.0, writes=[x])
+    return gpu, x
+
+
+def test_after_the_host_synchronized_whatever_it_queues_comes_after():
+    gpu, x = _written_on_a_side_stream()
     gpu.synchronize()
     r = gpu.run("read x", 1.0, reads=[x])
     assert r.start == 3.0 and gpu.hazards() == []
@@ -145,11 +151,8 @@ def test_kernels_on_the_link_run_one_at_a_time_whichever_stream_queued_them():
 
 
 def test_an_event_records_the_current_stream_by_default_and_its_synchronize_orders_the_host():
-    gpu = streams.Device()
-    side = gpu.Stream("side")
-    x = gpu.empty(1, "x")
-    with gpu.stream(side):
-        gpu.run("write x", 3.0, writes=[x])
+    gpu, x = _written_on_a_side_stream()
+    with gpu.stream(gpu.streams[1]):
         done = gpu.Event()
         done.record()  # on side, the current stream
     done.synchronize()
