@@ -35,6 +35,9 @@ import itertools
 
 from .timeline import Timeline
 
+#: the name of a device's first stream, current until another is made current
+COMPUTE = "compute"
+
 
 @dataclasses.dataclass(eq=False)
 class Kernel:
@@ -68,8 +71,7 @@ class Stream:
                             "wait for all a stream has queued: wait_stream(stream)")  # fmt: skip
         if event.clock is None:  # as CUDA: an event never recorded is no wait
             return
-        for s, n in event.clock.items():
-            self.clock[s] = max(self.clock.get(s, 0), n)
+        _merge(event.clock, into=self.clock)
         self.ready = max(self.ready, event.ms)
 
     def wait_stream(self, other: Stream) -> None:
@@ -120,7 +122,6 @@ class Buffer:
         self.device, self.name, self.mib, self.block = device, name, mib, block
         self.stream = stream  # the stream it was allocated on
         self.recorded: list[Stream] = []  # streams given by record_stream
-        self.used_on: set[Stream] = set()  # those of them other than its own
         self.freed = False
 
     def record_stream(self, stream: Stream) -> None:
@@ -129,8 +130,6 @@ class Buffer:
         self.device._alive(self, "record_stream")
         self.device._mine(stream, "record_stream()")
         self.recorded.append(stream)
-        if stream is not self.stream:
-            self.used_on.add(stream)
 
     def free(self) -> None:
         """Back to the allocator (in PyTorch: when its last reference goes)."""
@@ -150,13 +149,12 @@ class Device:
         self.kernels: list[Kernel] = []
         self.host = 0.0  # ms: the host's clock (queueing takes no time; synchronize waits)
         self.link = 0.0  # ms: when the network link is free for the next all-reduce
-        self._current = self.Stream("compute")
+        self._current = self.Stream(COMPUTE)
         self._blocks = itertools.count(1)
         self._pool: dict = {}  # (stream, MiB) -> free blocks, the latest freed last
         self._held: list[tuple[Buffer, dict]] = []  # freed blocks waiting for their streams
         self._uses: dict[int, list[tuple[Kernel, Buffer, str]]] = {}  # block -> accesses
         self.buffers: list[Buffer] = []  # every buffer allocated, in order
-        self.peak_mib = self._mib = 0.0
 
     # ---- the torch.cuda-shaped API
     def Stream(self, name: str | None = None) -> Stream:  # noqa: N802 - torch.cuda's name
@@ -191,8 +189,6 @@ class Device:
         self._release_held()
         pool = self._pool.get((stream, mib), [])
         block = pool.pop() if pool else next(self._blocks)
-        self._mib += mib
-        self.peak_mib = max(self.peak_mib, self._mib)
         self.buffers.append(Buffer(self, name, mib, block, stream))
         return self.buffers[-1]
 
@@ -259,8 +255,7 @@ class Device:
         """The host saw the work ``clock`` marks done: whatever it queues next, on any
         stream, comes after that work."""
         for other in self.streams:
-            for s, n in clock.items():
-                other.clock[s] = max(other.clock.get(s, 0), n)
+            _merge(clock, into=other.clock)
 
     def _alive(self, buffer, what: str) -> None:
         if isinstance(buffer, Buffer) and buffer.device is not self:
@@ -271,10 +266,9 @@ class Device:
             raise RuntimeError(f"{what}: {buffer.name} was freed already")
 
     def _free(self, buffer: Buffer) -> None:
-        self._mib -= buffer.mib
-        if buffer.used_on:  # PyTorch records an event on each such stream, now
-            marks = {s: s.clock[s.number] for s in buffer.used_on}
-            self._held.append((buffer, marks))
+        others = [s for s in buffer.recorded if s is not buffer.stream]
+        if others:  # PyTorch records an event on each such stream, now
+            self._held.append((buffer, {s: s.clock[s.number] for s in others}))
         else:  # reusable at once by its own stream, whose queue runs in order
             self._pool.setdefault((buffer.stream, buffer.mib), []).append(buffer.block)
 
@@ -294,6 +288,12 @@ class Device:
     def _ran_by_host(self, stream: Stream, count: int) -> bool:
         ends = [k.end for k in self.kernels if k.stream is stream]
         return count == 0 or (len(ends) >= count and ends[count - 1] <= self.host)
+
+
+def _merge(clock: dict, into: dict) -> None:
+    """``into`` (a stream's vector clock) now also knows all that ``clock`` marks."""
+    for s, n in clock.items():
+        into[s] = max(into.get(s, 0), n)
 
 
 #: the pack (fp32 gradient to the fp16 copy that travels) and the unpack, in ms

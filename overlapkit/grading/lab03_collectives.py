@@ -55,7 +55,7 @@ WORLD_SIZES = (2, 3, 4)
 #: blocking send waits for its receiver (so send-before-receive deadlocks, as on gloo)
 CHECK_LINK = Link(latency_us=0, bandwidth_gbps=1000, rendezvous=True)
 #: a correct 4-rank ring takes 0.3 s here; 20 s, so that one the machine's other work slows
-#: 60-fold is not called hung (10 s once was not enough beside a test suite on 2 cores)
+#: 60-fold (a test suite beside it on 2 cores) is not called hung
 TIMEOUT_S = 20.0
 
 

@@ -58,7 +58,7 @@ def _run_step(fn, layers) -> dict:
     return {
         "kernels": [(k.name, k.stream.name, k.start, k.end) for k in gpu.kernels],
         "touched": [([b.name for b in k.reads], [b.name for b in k.writes]) for k in gpu.kernels],
-        "first": gpu.streams[0].name,
+        "step": gpu.step_ms(),
         "hazards": gpu.hazards(),
         "unfreed": [b.name for b in wires if not b.freed],
         "recorded": {b.name: [s.name for s in b.recorded] for b in wires},
@@ -108,8 +108,7 @@ def check_overlapped_backward(overlapped_backward) -> Report:
         if problem:
             report.fail(f"{what}: {problem}")
             return report  # one clear reason at a time
-        step = max(end for *_, end in seen["kernels"])
-        report.ok(f"{what}: step {step:.1f} ms (one stream: {serial_ms(layers):.1f} ms), "
+        report.ok(f"{what}: step {seen['step']:.1f} ms (one stream: {serial_ms(layers):.1f} ms), "
                   "no race, no reuse, every wire freed")  # fmt: skip
     return report
 
@@ -135,7 +134,7 @@ def _problem(seen: dict, layers) -> str:
         return (f"every kernel ran on the compute stream, one after another "
                 f"({serial_ms(layers):.1f} ms): queue each all-reduce and unpack on a second "
                 "stream (gpu.Stream()), inside `with gpu.stream(comm):`")  # fmt: skip
-    step, best = max(end for *_, end in kernels), overlapped_ms(layers)
+    step, best = seen["step"], overlapped_ms(layers)
     if step <= best + _EPS:
         return ""
     return f"step {step:.1f} ms, where the overlapped step takes {best:.1f} ms: " + _late(seen)
@@ -179,12 +178,12 @@ def _shape(seen: dict, layers) -> str:
                 return (f"{name!r} {got}, where it should read {', '.join(want[0]) or 'nothing'} "
                         f"and write {', '.join(want[1])}: give each layer's calls that layer's "
                         "own grad and wire")  # fmt: skip
-            if stream == "compute" and where[name] != seen["first"]:
+            if stream == "compute" and where[name] != streams.COMPUTE:
                 return (f"{name!r} ran on stream {where[name]}: queue the backward and the pack "
                         f"on the compute stream (gpu.current_stream() as the call began), the "
                         "all-reduce and the unpack on your communication stream")  # fmt: skip
             mixed = len(set(where.values())) > 1  # (one stream for all: said below)
-            if stream == "yours" and where[name] == seen["first"] and mixed:
+            if stream == "yours" and where[name] == streams.COMPUTE and mixed:
                 return (f"{name!r} ran on the compute stream: queue every all-reduce and "
                         "unpack on your communication stream (gpu.stream(comm))")  # fmt: skip
     backwards = [n for n in names if n.startswith("backward ")]
@@ -227,7 +226,7 @@ def _late(seen: dict) -> str:
     ends: dict[str, float] = {}
     for name, stream, start, end in seen["kernels"]:
         idle = start - ends.get(stream, 0.0)
-        if stream == seen["first"] and name != "optimizer" and idle > _EPS:
+        if stream == streams.COMPUTE and name != "optimizer" and idle > _EPS:
             return (f"{name!r} started at {start:.1f} ms, {idle:.1f} ms after the compute "
                     "stream's previous kernel: the compute stream waited for communication "
                     "inside the loop; wait for it once, after the last layer")  # fmt: skip
